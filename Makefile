@@ -1,0 +1,31 @@
+# Two entry points: `make demo` and `make test`. Both create .venv when missing and install into it.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch first and pinned: a bare torch requirement would pull a multi-GB CUDA build on CPU machines.
+TORCH := torch==2.13.0
+
+.PHONY: demo test clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# One stamp per set of extras, redone when pyproject.toml changes.
+$(VENV)/.core: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.test: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q $(TORCH)
+	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(BIN)/pip install -q -e ".[dev,interop]"
+	touch $(VENV)/.core $@
+
+demo: $(VENV)/.core
+	$(BIN)/quantize recipes/demo.yaml
+
+test: $(VENV)/.test
+	$(BIN)/python -m pytest tests
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,88 @@
+"""Before/after accuracy: perplexity, KL divergence from the original, top-1 agreement.
+
+Perplexity alone hides damage (errors can cancel); KL divergence against the original model's
+next-token distribution and the share of positions where both pick the same top token show how far
+a variant has moved, token by token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable
+
+import torch
+
+
+@dataclass
+class Scores:
+    ppl: float
+    kld: float | None = None  # mean KL(original || variant) per token, nats
+    top1: float | None = None  # share of positions where argmax agrees with the original
+    tokens: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Accumulator:
+    def __init__(self) -> None:
+        self.nll = 0.0
+        self.kld = 0.0
+        self.agree = 0
+        self.count = 0
+
+    def add(self, logp: torch.Tensor, targets: torch.Tensor, ref_logp: torch.Tensor | None) -> None:
+        self.nll -= logp.gather(-1, targets.unsqueeze(-1)).sum().item()
+        self.count += targets.numel()
+        if ref_logp is not None:
+            self.kld += (ref_logp.exp() * (ref_logp - logp)).sum().item()
+            self.agree += (ref_logp.argmax(-1) == logp.argmax(-1)).sum().item()
+
+    def scores(self, compare: bool) -> Scores:
+        n = max(self.count, 1)
+        return Scores(
+            ppl=math.exp(self.nll / n),
+            kld=self.kld / n if compare else None,
+            top1=self.agree / n if compare else None,
+            tokens=self.count,
+        )
+
+
+LogProbs = Callable[[torch.Tensor], torch.Tensor]
+
+
+def causal_lm_logprobs(model: torch.nn.Module) -> LogProbs:
+    """Log-probabilities for every next-token position of a batch of windows."""
+
+    @torch.inference_mode()
+    def run(windows: torch.Tensor) -> torch.Tensor:
+        logits = model(input_ids=windows).logits[:, :-1].float()
+        return torch.log_softmax(logits, dim=-1)
+
+    return run
+
+
+def score(
+    variant: LogProbs,
+    windows: torch.Tensor,
+    reference: LogProbs | None = None,
+    on_window: Callable[[], None] | None = None,
+) -> Scores:
+    """Score ``variant`` on each window; with ``reference``, also compare it token by token.
+
+    The reference is recomputed per window rather than cached: its full distribution over the
+    vocabulary for every token of the text would not fit in memory for real models.
+    """
+    acc = _Accumulator()
+    for window in _batches(windows):
+        targets = window[:, 1:]
+        acc.add(variant(window), targets, reference(window) if reference else None)
+        if on_window:
+            on_window()
+    return acc.scores(compare=reference is not None)
+
+
+def _batches(windows: torch.Tensor) -> Iterable[torch.Tensor]:
+    for i in range(windows.shape[0]):
+        yield windows[i : i + 1]

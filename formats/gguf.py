@@ -1,0 +1,224 @@
+"""GGUF files that llama.cpp, Ollama and LM Studio load, written one tensor at a time.
+
+The writer takes a plan (every tensor's HF name, shape and ggml type) so that the header and tensor
+table can be written before any data; then the ggml payloads arrive one by one and go straight to
+disk. Tensor names, the llama Q/K row permutation, hyper-parameters and the tokenizer follow
+llama.cpp's converter so llama.cpp sees the same model transformers does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+
+from formats.hf import HFCheckpoint
+from quant.types import GGMLTensor, InputError
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama"}
+
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def gguf_name(hf_name: str) -> str | None:
+    """The llama.cpp name of an HF tensor, or None for tensors the converter drops."""
+    if hf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf_name]
+    m = _LAYER_RE.match(hf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None
+    raise InputError(f"tensor '{hf_name}' has no GGUF name for a llama model")
+
+
+def gguf_order(name: str) -> tuple[int, str]:
+    """llama.cpp's tensor order: non-layer tensors first, then by layer number, then by name."""
+    m = re.match(r"^blk\.(\d+)\.", name)
+    return (int(m.group(1)) if m else -1, name)
+
+
+def architecture_of(ckpt: HFCheckpoint) -> str:
+    arch = ckpt.architecture
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise InputError(
+            f"{ckpt.path}: architecture {arch} is not supported for GGUF export "
+            f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
+        )
+    return SUPPORTED_ARCHITECTURES[arch]
+
+
+class GGUFFileWriter:
+    """Writes one GGUF file from a plan of ``(hf_name, shape, ggml_type)`` in GGUF tensor order."""
+
+    def __init__(self, dest: Path, ckpt: HFCheckpoint, file_type_id: int, plan: list[tuple[str, tuple[int, ...], str]]):
+        self.dest = dest
+        self.tmp = dest.with_name(dest.name + ".partial")
+        self.arch = architecture_of(ckpt)
+        self.config = ckpt.config
+        self._order = [hf for hf, _, _ in plan]
+        writer = GGUFWriter(None, self.arch)
+        writer.add_name(ckpt.path.name)
+        writer.add_file_type(file_type_id)
+        writer.add_quantization_version(2)
+        _add_hparams(writer, self.arch, ckpt.config)
+        _add_tokenizer(writer, ckpt)
+        for hf_name, shape, ggml_type in plan:
+            qtype = GGMLQuantizationType[ggml_type]
+            writer.add_tensor_info(gguf_name(hf_name), shape, np.dtype(np.float32), _nbytes(shape, qtype), raw_dtype=qtype)
+        self.dest.parent.mkdir(parents=True, exist_ok=True)
+        writer.write_header_to_file(self.tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        self._writer = writer
+        self._next = 0
+
+    def add(self, hf_name: str, payload: GGMLTensor) -> None:
+        if self._order[self._next] != hf_name:
+            raise RuntimeError(f"tensor '{hf_name}' arrived out of plan order (expected '{self._order[self._next]}')")
+        self._next += 1
+        raw = payload.raw
+        if hf_name.endswith(("q_proj.weight", "k_proj.weight")) and self.arch == "llama":
+            heads = self.config["num_attention_heads"]
+            if hf_name.endswith("k_proj.weight"):
+                heads = self.config.get("num_key_value_heads", heads)
+            raw = _permute_rows(raw, heads)
+        self._writer.write_tensor_data(np.ascontiguousarray(raw))
+
+    def finish(self) -> Path:
+        self._writer.close()
+        if self._next != len(self._order):
+            raise RuntimeError(f"GGUF export incomplete: {self._next} of {len(self._order)} tensors written")
+        os.replace(self.tmp, self.dest)
+        return self.dest
+
+    def abort(self) -> None:
+        self._writer.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def _nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
+    from gguf import GGML_QUANT_SIZES
+
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    n = int(np.prod(shape))
+    return n // block * block_bytes
+
+
+def _permute_rows(raw: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's Q/K permutation: within each head, interleave the two rotate-half halves.
+
+    Rows are independent in every ggml type, so permuting encoded rows equals encoding permuted rows.
+    """
+    rows = raw.shape[0]
+    head_dim = rows // heads
+    return raw.reshape(heads, 2, head_dim // 2, *raw.shape[1:]).swapaxes(1, 2).reshape(raw.shape)
+
+
+def _add_hparams(writer: GGUFWriter, arch: str, config: dict) -> None:
+    hidden = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise InputError(f"config.json: rope type '{rope_type}' is not supported for GGUF export yet (supported: default)")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads", heads))
+    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    writer.add_rope_freq_base(float(rope_theta))
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(config["vocab_size"])
+    if config.get("head_dim"):
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+
+
+def _add_tokenizer(writer: GGUFWriter, ckpt: HFCheckpoint) -> None:
+    """Embed a byte-level BPE tokenizer from tokenizer.json the way llama.cpp's converter does."""
+    path = ckpt.path / "tokenizer.json"
+    if not path.is_file():
+        raise InputError(f"{ckpt.path}: no tokenizer.json (GGUF export embeds the tokenizer)")
+    tok = json.loads(path.read_text())
+    model = tok.get("model", {})
+    pre = tok.get("pre_tokenizer") or {}
+    if model.get("type") != "BPE" or pre.get("type") != "ByteLevel" or pre.get("add_prefix_space"):
+        raise InputError(
+            f"{path}: only GPT-2 style byte-level BPE tokenizers are supported for GGUF export so far"
+        )
+    vocab: dict[str, int] = dict(model["vocab"])
+    added = {t["id"]: t for t in tok.get("added_tokens", [])}
+    for t in added.values():
+        vocab[t["content"]] = t["id"]
+    n_vocab = max(ckpt.config["vocab_size"], max(vocab.values()) + 1)
+    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
+    types = [int(TokenType.UNUSED)] * n_vocab
+    for text, i in vocab.items():
+        tokens[i] = text
+        types[i] = int(TokenType.NORMAL)
+    for i, t in added.items():
+        types[i] = int(TokenType.CONTROL if t.get("special") else TokenType.USER_DEFINED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+
+    cfg_path = ckpt.path / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
+                     ("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id)):
+        token = tok_cfg.get(f"{key}_token")
+        if isinstance(token, dict):
+            token = token.get("content")
+        if token is not None and token in vocab:
+            add(vocab[token])
+        elif isinstance(ckpt.config.get(f"{key}_token_id"), int):
+            add(ckpt.config[f"{key}_token_id"])
+    writer.add_add_bos_token(_post_processor_adds(tok, "bos", tok_cfg))
+    writer.add_add_eos_token(_post_processor_adds(tok, "eos", tok_cfg))
+    template = tok_cfg.get("chat_template")
+    if template is None and (ckpt.path / "chat_template.jinja").is_file():
+        template = (ckpt.path / "chat_template.jinja").read_text()
+    if isinstance(template, str):
+        writer.add_chat_template(template)
+
+
+def _post_processor_adds(tok: dict, which: str, tok_cfg: dict) -> bool:
+    """Whether transformers' tokenizer puts a bos/eos token around a single text by itself."""
+    if f"add_{which}_token" in tok_cfg:
+        return bool(tok_cfg[f"add_{which}_token"])
+    post = tok.get("post_processor") or {}
+    if post.get("type") != "TemplateProcessing":
+        return False
+    single = post.get("single", [])
+    specials = [i for i, item in enumerate(single) if "SpecialToken" in item]
+    seq = next((i for i, item in enumerate(single) if "Sequence" in item), 0)
+    return any(i < seq for i in specials) if which == "bos" else any(i > seq for i in specials)

@@ -1,0 +1,55 @@
+"""Round-to-nearest weight quantization: the baseline every smarter pass is measured against."""
+
+from __future__ import annotations
+
+import torch
+
+from quant.types import InputError, QuantizedTensor, QuantSpec
+
+_FP16_TINY = 2.0**-24  # smallest positive fp16 (subnormal): a scale must survive the fp16 round trip
+
+
+def quantize_rtn(weight: torch.Tensor, spec: QuantSpec, name: str = "tensor") -> QuantizedTensor:
+    """Quantize a ``[out, in]`` weight to ``spec.bits``-bit codes, each group rounded to nearest.
+
+    Scales are rounded to fp16 *before* the codes are computed, because every checkpoint format
+    stores fp16 scales: the codes are then the best ones for the scale that will really be used.
+    Symmetric: ``scale = absmax / (2**(bits-1) - 1)`` around the fixed zero ``2**(bits-1)``, so the
+    largest weight is represented exactly and nothing clips. Asymmetric: the range ``[min, max]``
+    (widened to include 0, so zeros stay exact) is split into ``2**bits - 1`` steps.
+    """
+    if weight.dim() != 2:
+        raise InputError(f"{name}: RTN quantizes 2-D weights, got shape {tuple(weight.shape)}")
+    out, n_in = weight.shape
+    group = {"tensor": n_in, "channel": n_in, "group": spec.group_size}[spec.granularity]
+    if n_in % group:
+        raise InputError(f"{name}: input size {n_in} is not a multiple of group_size {group}")
+    w = weight.to(torch.float32).reshape(out, n_in // group, group)
+    maxq = 2**spec.bits - 1
+
+    if spec.symmetric:
+        amax = w.abs().amax(dim=-1)
+        if spec.granularity == "tensor":
+            amax = amax.amax().expand_as(amax)
+        scales = _fp16_scale(amax / (2 ** (spec.bits - 1) - 1), name)
+        zeros = torch.full_like(scales, float(2 ** (spec.bits - 1)))
+    else:
+        lo = w.amin(dim=-1).clamp(max=0.0)
+        hi = w.amax(dim=-1).clamp(min=0.0)
+        if spec.granularity == "tensor":
+            lo, hi = lo.amin().expand_as(lo), hi.amax().expand_as(hi)
+        scales = _fp16_scale((hi - lo) / maxq, name)
+        zeros = torch.round(-lo / scales).clamp(0, maxq)
+
+    codes = torch.round(w / scales.unsqueeze(-1)) + zeros.unsqueeze(-1)
+    codes = codes.clamp(0, maxq).to(torch.uint8).reshape(out, n_in)
+    return QuantizedTensor(spec=spec, codes=codes, scales=scales.contiguous(), zeros=zeros.contiguous())
+
+
+def _fp16_scale(scale: torch.Tensor, name: str) -> torch.Tensor:
+    if not torch.isfinite(scale).all():
+        raise InputError(f"{name}: weights contain NaN or Inf")
+    scale = scale.clamp(min=_FP16_TINY).to(torch.float16)
+    if torch.isinf(scale).any():
+        raise InputError(f"{name}: a quantization scale overflows fp16 (weights too large)")
+    return scale.to(torch.float32)

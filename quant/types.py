@@ -1,0 +1,124 @@
+"""The small types every stage shares: how a tensor is quantized, and what a quantized tensor holds.
+
+Recipes build specs, quantizers produce quantized tensors, writers and evaluators consume them.
+Keeping them here (and nowhere else) lets formats/ and evalsuite/ work on any quantizer's output
+without knowing how it was made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Union
+
+import numpy as np
+import torch
+
+Granularity = Literal["tensor", "channel", "group"]
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """An integer weight-quantization scheme.
+
+    Weights are quantized along the input dimension of a Linear weight ``[out, in]``: one scale
+    (and zero-point when asymmetric) per tensor, per output channel, or per group of
+    ``group_size`` consecutive input columns of one output channel.
+    """
+
+    bits: int
+    symmetric: bool = True
+    granularity: Granularity = "channel"
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.bits <= 8:
+            raise ValueError(f"bits must be between 2 and 8, got {self.bits}")
+        if self.granularity == "group":
+            if self.group_size is None or self.group_size < 1:
+                raise ValueError("granularity 'group' needs a positive group_size")
+        elif self.group_size is not None:
+            raise ValueError(f"group_size is only valid with granularity 'group', not '{self.granularity}'")
+
+    @property
+    def label(self) -> str:
+        """Short human name, e.g. ``int4-g128-asym``."""
+        grain = {"tensor": "tensor", "channel": "channel", "group": f"g{self.group_size}"}[self.granularity]
+        return f"int{self.bits}-{grain}-{'sym' if self.symmetric else 'asym'}"
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """Integer codes with their scales, in the weight's own ``[out, in]`` layout (unpacked).
+
+    ``codes`` are unsigned levels in ``[0, 2**bits - 1]``; the real value is
+    ``(codes - zeros) * scales``, with scales and zeros broadcast over each group. Symmetric specs
+    use the fixed mid-level zero ``2**(bits-1)``, so one dequantization formula serves both.
+    Writers pack codes into their own layouts; nothing here assumes a file format.
+    """
+
+    spec: QuantSpec
+    codes: torch.Tensor  # uint8 [out, in]
+    scales: torch.Tensor  # float32 [out, n_groups]
+    zeros: torch.Tensor  # float32 [out, n_groups]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        out, n_in = self.codes.shape
+        n_groups = self.scales.shape[1]
+        q = self.codes.to(torch.float32).reshape(out, n_groups, n_in // n_groups)
+        w = (q - self.zeros.unsqueeze(-1)) * self.scales.unsqueeze(-1)
+        return w.reshape(out, n_in)
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Code bits plus the amortised cost of fp16 scales (and zero-points when asymmetric)."""
+        per_scale = 16 + (0 if self.spec.symmetric else self.spec.bits)
+        n_scales = 1 if self.spec.granularity == "tensor" else self.scales.numel()
+        return self.spec.bits + per_scale * n_scales / self.codes.numel()
+
+
+@dataclass(frozen=True)
+class GGMLTensor:
+    """A tensor already encoded in one ggml type (F32, F16, Q8_0, ...), rows in the weight's layout.
+
+    ``raw`` is what goes into a GGUF file for this tensor: float arrays for F32/F16/BF16, and a
+    ``uint8 [rows, row_bytes]`` array of blocks for block-quantized types. Rows are independent,
+    so a writer may reorder rows (llama's Q/K permutation) without re-quantizing.
+    """
+
+    ggml_type: str
+    raw: np.ndarray
+    shape: tuple[int, ...]
+
+    def dequantize(self) -> torch.Tensor:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        values = dequantize(self.raw, GGMLQuantizationType[self.ggml_type])
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape)
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.raw.nbytes / int(np.prod(self.shape))
+
+
+# What a quantizer hands downstream for one tensor: left as it was, integer-quantized, or ggml-encoded.
+TensorPayload = Union[torch.Tensor, QuantizedTensor, GGMLTensor]
+
+
+def dequantized(payload: TensorPayload) -> torch.Tensor:
+    """The float32 weights a payload stands for: what an evaluation or a dense export uses."""
+    if isinstance(payload, torch.Tensor):
+        return payload.to(torch.float32)
+    return payload.dequantize()
+
+
+class InputError(Exception):
+    """A mistake in what the user gave us (a file, a recipe field, a flag).
+
+    The message is one line that names the offending file, field or tensor; the command line prints
+    it without a traceback and exits with status 2.
+    """

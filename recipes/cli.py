@@ -1,0 +1,90 @@
+"""The ``quantize`` command.
+
+``quantize RECIPE.yaml`` runs a recipe (shorthand for ``quantize run RECIPE.yaml``); subcommands
+cover the other jobs. User mistakes print one line and exit with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from quant.types import InputError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Make LLMs smaller and measure what each smaller variant costs.\n\n"
+    "Usage: quantize RECIPE.yaml [--out DIR]  (same as: quantize run RECIPE.yaml)",
+)
+console = Console(stderr=True)
+stdout = Console()
+
+
+@app.command()
+def run(
+    recipe: Path = typer.Argument(..., help="Recipe YAML: model, evaluation text, variants and exports."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default: the recipe's 'output', else runs/<recipe name>)."),
+) -> None:
+    """Quantize every variant of a recipe, write its files, and report before/after accuracy."""
+    from evalsuite.report import table
+    from recipes.pipeline import run_recipe
+    from recipes.schema import load_recipe
+
+    spec = load_recipe(recipe)
+    out_dir = out or spec.output or Path("runs") / recipe.stem
+    report = run_recipe(spec, out_dir, console)
+    stdout.print(table(report))
+    stdout.print(f"Report: {out_dir / 'report.md'}  {out_dir / 'report.json'}")
+
+
+@app.command()
+def inspect(file: Path = typer.Argument(..., help="A .gguf or .safetensors file.")) -> None:
+    """Show a model file's metadata and tensors: names, types, shapes, bits per weight."""
+    from formats.inspect import inspect_file
+
+    summary = inspect_file(file)
+    stdout.print(f"[bold]{summary.path}[/bold]: {summary.format}, {len(summary.tensors)} tensors, "
+                 f"{summary.bits_per_weight:.3f} bits per weight")
+    if summary.metadata:
+        meta = Table("key", "value", title="metadata")
+        for key, value in summary.metadata.items():
+            meta.add_row(key, value)
+        stdout.print(meta)
+    tensors = Table("name", "type", "shape", "bpw", title="tensors")
+    for t in summary.tensors:
+        tensors.add_row(t.name, t.type, "x".join(map(str, t.shape)), f"{t.bits_per_weight:.3f}")
+    stdout.print(tensors)
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    commands = {c.name or c.callback.__name__ for c in app.registered_commands}
+    if args and not args[0].startswith("-") and args[0] not in commands:
+        args = ["run", *args]
+    try:
+        app(args=args, prog_name="quantize", standalone_mode=False)
+    except InputError as e:
+        console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        sys.exit(130)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except Exception as e:  # click's usage errors
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

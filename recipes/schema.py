@@ -1,0 +1,137 @@
+"""The recipe file: one model, one evaluation text, several variants, each with its exports.
+
+Validation happens here, before any work: a wrong field, value or path fails with one line that
+names it, so a long batch job never dies half-way on a typo.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from quant.ggml import FILE_TYPES
+from quant.types import InputError, QuantSpec
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RTNWeights(_Strict):
+    """Round-to-nearest integer quantization of the decoder's Linear weights."""
+
+    method: Literal["rtn"]
+    bits: int = Field(ge=2, le=8)
+    symmetric: bool = True
+    granularity: Literal["tensor", "channel", "group"] = "channel"
+    group_size: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _group_size_matches_granularity(self) -> "RTNWeights":
+        if self.granularity == "group" and self.group_size is None:
+            raise ValueError("granularity 'group' needs group_size")
+        if self.granularity != "group" and self.group_size is not None:
+            raise ValueError(f"group_size is only valid with granularity 'group', not '{self.granularity}'")
+        return self
+
+    @property
+    def spec(self) -> QuantSpec:
+        return QuantSpec(self.bits, self.symmetric, self.granularity, self.group_size)
+
+
+class GGUFWeights(_Strict):
+    """Every tensor encoded as llama.cpp's quantizer would for a GGUF file type."""
+
+    method: Literal["gguf"]
+    type: Literal[tuple(FILE_TYPES)]  # type: ignore[valid-type]
+
+
+class Variant(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)
+    weights: Annotated[Union[RTNWeights, GGUFWeights], Field(discriminator="method")]
+    exports: list[Literal["safetensors", "gguf"]] = []
+
+    @model_validator(mode="after")
+    def _gguf_needs_gguf_weights(self) -> "Variant":
+        if "gguf" in self.exports and self.weights.method != "gguf":
+            raise ValueError("a gguf export needs 'weights: {method: gguf, type: ...}'")
+        return self
+
+
+class Evaluation(_Strict):
+    text: Path
+    window: int = Field(default=512, ge=16, le=32768)
+    max_windows: int | None = Field(default=None, ge=1)
+
+
+class Recipe(_Strict):
+    model: Path
+    evaluation: Evaluation
+    variants: list[Variant] = Field(min_length=1)
+    output: Path | None = None
+
+    @field_validator("variants")
+    @classmethod
+    def _unique_names(cls, variants: list[Variant]) -> list[Variant]:
+        names = [v.name for v in variants]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"variant names must be unique, repeated: {', '.join(dupes)}")
+        return variants
+
+
+def load_recipe(path: Path) -> Recipe:
+    """Read and validate a recipe; relative paths in it are relative to the recipe's folder."""
+    if not path.is_file():
+        raise InputError(f"{path}: recipe file not found")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        problem = getattr(e, "problem", None) or "invalid YAML"
+        raise InputError(f"{path}: malformed YAML{at}: {problem}") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not UTF-8 text") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: a recipe is a YAML mapping with 'model', 'evaluation' and 'variants'")
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as e:
+        raise InputError(f"{path}: {_first_error(e, data)}") from None
+    base = path.parent
+    return recipe.model_copy(
+        update={
+            "model": base / recipe.model,
+            "evaluation": recipe.evaluation.model_copy(update={"text": base / recipe.evaluation.text}),
+            "output": base / recipe.output if recipe.output else None,
+        }
+    )
+
+
+def _first_error(error: ValidationError, data: dict) -> str:
+    """One line naming the field (``variants[1].weights.bits``) and what is wrong with it."""
+    err = error.errors()[0]
+    parts: list[str] = []
+    node = data
+    for loc in err["loc"]:
+        if isinstance(loc, int):
+            parts.append(f"[{loc}]")
+            node = node[loc] if isinstance(node, list) and loc < len(node) else None
+            if isinstance(node, dict) and "name" in node:
+                parts.append(f"({node['name']})")
+        elif isinstance(node, dict) and loc in node or err["type"] in ("extra_forbidden", "missing"):
+            parts.append(f".{loc}" if parts else str(loc))
+            node = node.get(loc) if isinstance(node, dict) else None
+        # else: a union tag such as 'rtn' that pydantic adds to the path; not a field name
+    field = "".join(parts) or "recipe"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return f"unknown field '{field}'"
+    if kind == "missing":
+        return f"missing field '{field}'"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"field '{field}': {msg}"
