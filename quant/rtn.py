@@ -12,8 +12,9 @@ _FP16_TINY = 2.0**-24  # smallest positive fp16 (subnormal): a scale must surviv
 def quantize_rtn(weight: torch.Tensor, spec: QuantSpec, name: str = "tensor") -> QuantizedTensor:
     """Quantize a ``[out, in]`` weight to ``spec.bits``-bit codes, each group rounded to nearest.
 
-    Scales are rounded to fp16 *before* the codes are computed, because every checkpoint format
-    stores fp16 scales: the codes are then the best ones for the scale that will really be used.
+    Scales are rounded *up* to fp16 before the codes are computed, because every checkpoint format
+    stores fp16 scales: the codes are then the best ones for the scale really used, and rounding up
+    keeps the whole range covered, so no weight is clipped by more than half a step.
     Symmetric: ``scale = absmax / (2**(bits-1) - 1)`` around the fixed zero ``2**(bits-1)``, so the
     largest weight is represented exactly and nothing clips. Asymmetric: the range ``[min, max]``
     (widened to include 0, so zeros stay exact) is split into ``2**bits - 1`` steps.
@@ -49,7 +50,9 @@ def quantize_rtn(weight: torch.Tensor, spec: QuantSpec, name: str = "tensor") ->
 def _fp16_scale(scale: torch.Tensor, name: str) -> torch.Tensor:
     if not torch.isfinite(scale).all():
         raise InputError(f"{name}: weights contain NaN or Inf")
-    scale = scale.clamp(min=_FP16_TINY).to(torch.float16)
-    if torch.isinf(scale).any():
+    half = scale.clamp(min=_FP16_TINY).to(torch.float16)
+    below = half.to(torch.float32) < scale
+    half[below] = torch.nextafter(half[below], torch.tensor(float("inf"), dtype=torch.float16))
+    if torch.isinf(half).any():
         raise InputError(f"{name}: a quantization scale overflows fp16 (weights too large)")
-    return scale.to(torch.float32)
+    return half.to(torch.float32)

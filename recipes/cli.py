@@ -23,7 +23,8 @@ app = typer.Typer(
     "Usage: quantize RECIPE.yaml [--out DIR]  (same as: quantize run RECIPE.yaml)",
 )
 console = Console(stderr=True)
-stdout = Console()
+# A report table needs about 110 columns; rich assumes 80 when output is not a terminal.
+stdout = Console() if sys.stdout.isatty() else Console(width=160)
 
 
 @app.command()

@@ -29,6 +29,15 @@ from recipes.schema import GGUFWeights, Recipe, RTNWeights, Variant
 
 
 @dataclass
+class BuiltVariant:
+    """A variant's weights as evaluated (float32, by HF name), the files written, and its size."""
+
+    state: dict[str, torch.Tensor]
+    files: list[Path]
+    bits_per_weight: float
+
+
+@dataclass
 class _Plan:
     """What one variant will write: tensors in order, with each tensor's ggml type for GGUF."""
 
@@ -53,9 +62,10 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
                            seconds=time.perf_counter() - start)]
         for variant in recipe.variants:
             start = time.perf_counter()
-            state, files, bits = _build_variant(ckpt, variant, plans[variant.name], out_dir, progress)
-            model = _model_from_state(reference_model.config, state)
-            del state
+            built = build_variant(ckpt, variant, out_dir, progress, plans[variant.name])
+            model = model_from_state(reference_model.config, built.state)
+            bits, files = built.bits_per_weight, built.files
+            del built
             scores = _scored(
                 progress, f"{variant.name}: evaluate",
                 lambda tick: score(causal_lm_logprobs(model), windows, reference, on_window=tick), len(windows),
@@ -110,8 +120,12 @@ def _quantize(ckpt: HFCheckpoint, variant: Variant, plan: _Plan, name: str) -> T
     return encode(tensor, plan.ggml_types[name], name)
 
 
-def _build_variant(ckpt: HFCheckpoint, variant: Variant, plan: _Plan, out_dir: Path, progress: Progress):
+def build_variant(
+    ckpt: HFCheckpoint, variant: Variant, out_dir: Path, progress: Progress | None = None, plan: _Plan | None = None
+) -> BuiltVariant:
     """Stream every tensor through the quantizer into the exports and the in-memory state dict."""
+    plan = plan or _plan(ckpt, variant)
+    progress = progress or Progress(disable=True)
     vdir = out_dir / variant.name
     writers = []
     if "safetensors" in variant.exports:
@@ -143,7 +157,7 @@ def _build_variant(ckpt: HFCheckpoint, variant: Variant, plan: _Plan, out_dir: P
     finally:
         progress.remove_task(task)
     params = sum(t.numel() for t in state.values())
-    return state, files, bits / params
+    return BuiltVariant(state, files, bits / params)
 
 
 def _describe(variant: Variant) -> str:
@@ -179,7 +193,7 @@ def _bits(payload: TensorPayload) -> float:
     return payload.bits_per_weight
 
 
-def _model_from_state(config, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+def model_from_state(config, state: dict[str, torch.Tensor]) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -192,7 +206,9 @@ def _model_from_state(config, state: dict[str, torch.Tensor]) -> torch.nn.Module
 
 def _load_reference(ckpt: HFCheckpoint) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()  # our own progress bars cover the long steps
     try:
         model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32)
     except (ValueError, KeyError, OSError) as e:

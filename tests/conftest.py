@@ -1,0 +1,48 @@
+"""Shared fixtures: the bundled model and one small recipe run that several tests inspect."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+BUNDLED = REPO / "recipes" / "bundled"
+TINY = BUNDLED / "tiny"
+EVAL_TEXT = BUNDLED / "eval.txt"
+
+SMALL_RECIPE = {
+    "model": str(TINY),
+    "evaluation": {"text": str(EVAL_TEXT), "window": 512, "max_windows": 2},
+    "variants": [
+        {"name": "int8", "weights": {"method": "rtn", "bits": 8}, "exports": ["safetensors"]},
+        {"name": "int4-g64-asym",
+         "weights": {"method": "rtn", "bits": 4, "symmetric": False, "granularity": "group", "group_size": 64},
+         "exports": ["safetensors"]},
+        {"name": "f16", "weights": {"method": "gguf", "type": "F16"}, "exports": ["gguf"]},
+        {"name": "q8_0", "weights": {"method": "gguf", "type": "Q8_0"}, "exports": ["gguf"]},
+    ],
+}
+
+
+def write_recipe(folder: Path, recipe: dict, name: str = "recipe.yaml") -> Path:
+    path = folder / name
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory) -> tuple[Path, dict]:
+    """Run SMALL_RECIPE once through the real pipeline; return (output folder, report.json)."""
+    from rich.console import Console
+
+    from recipes.pipeline import run_recipe
+    from recipes.schema import load_recipe
+
+    folder = tmp_path_factory.mktemp("small_run")
+    recipe = load_recipe(write_recipe(folder, SMALL_RECIPE))
+    out = folder / "out"
+    run_recipe(recipe, out, Console(quiet=True))
+    return out, json.loads((out / "report.json").read_text())

@@ -1,0 +1,45 @@
+import numpy as np
+import pytest
+import torch
+
+from quant.ggml import encode, tensor_type
+from quant.types import InputError
+
+
+def test_tensor_types_follow_llama_quantize_rules():
+    assert tensor_type("Q8_0", "model.layers.0.self_attn.q_proj.weight", (256, 256)) == "Q8_0"
+    assert tensor_type("Q8_0", "model.embed_tokens.weight", (8192, 256)) == "Q8_0"
+    assert tensor_type("Q8_0", "model.layers.0.input_layernorm.weight", (256,)) == "F32"
+    assert tensor_type("Q8_0", "model.norm.weight", (256,)) == "F32"
+    assert tensor_type("Q8_0", "model.layers.0.mlp.down_proj.weight", (256, 40)) == "F16"  # row not in blocks
+    assert tensor_type("F16", "model.layers.0.mlp.down_proj.weight", (256, 768)) == "F16"
+    assert tensor_type("F32", "model.layers.0.mlp.down_proj.weight", (256, 768)) == "F32"
+
+
+def test_q8_0_blocks_hold_each_value_within_half_a_step():
+    w = torch.randn(16, 256) * 0.05
+    enc = encode(w, "Q8_0")
+    assert enc.raw.dtype == np.uint8 and enc.raw.shape == (16, 256 // 32 * 34)
+    assert enc.bits_per_weight == 8.5
+    blocks = enc.raw.reshape(16, 8, 34)
+    d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # [16, 8, 1]
+    q = blocks[..., 2:].copy().view(np.int8).astype(np.float32)
+    deq = torch.from_numpy((d * q).reshape(16, 256))
+    torch.testing.assert_close(enc.dequantize(), deq, rtol=0, atol=0)  # gguf's decoder agrees
+    step = torch.from_numpy(np.repeat(d[..., 0], 32, axis=1))
+    # ggml rounds d to fp16 after choosing the codes: up to 127 * 2**-11 of a step more than half.
+    assert bool(((deq - w).abs() <= (0.5 + 127 * 2**-11) * step).all())
+
+
+def test_f16_is_plain_half_precision():
+    w = torch.randn(4, 64)
+    enc = encode(w, "F16")
+    assert enc.raw.dtype == np.float16
+    torch.testing.assert_close(enc.dequantize(), w.half().float(), rtol=0, atol=0)
+
+
+def test_non_finite_weights_are_refused_by_name():
+    w = torch.zeros(4, 64)
+    w[0, 0] = float("inf")
+    with pytest.raises(InputError, match="blk.3: weights contain NaN or Inf"):
+        encode(w, "Q8_0", "blk.3")
