@@ -1,0 +1,89 @@
+"""Our GGUF files as llama.cpp (through llama-cpp-python) reads them: tokens, log-probs, perplexity."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is the 'interop' extra (make test installs it)")
+
+from conftest import EVAL_TEXT, TINY  # noqa: E402
+
+WINDOW = 512
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TINY)
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    return tok, model
+
+
+@pytest.fixture(scope="module")
+def windows(hf):
+    tok, _ = hf
+    ids = tok(EVAL_TEXT.read_text(), add_special_tokens=False)["input_ids"]
+    n = len(ids) // WINDOW
+    return np.array(ids[: n * WINDOW]).reshape(n, WINDOW)
+
+
+def load(path):
+    return llama_cpp.Llama(model_path=str(path), n_ctx=WINDOW, n_batch=WINDOW, logits_all=True, verbose=False, n_threads=2, seed=0)
+
+
+def llama_logprobs(llm, window) -> np.ndarray:
+    llm.reset()
+    llm.eval(window.tolist())
+    logits = np.asarray(llm.scores[: len(window) - 1], dtype=np.float64)
+    logits -= logits.max(axis=1, keepdims=True)
+    return logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+
+
+def hf_logprobs(model, window) -> np.ndarray:
+    with torch.inference_mode():
+        logits = model(input_ids=torch.from_numpy(window)[None]).logits[0, :-1].double()
+    return torch.log_softmax(logits, -1).numpy()
+
+
+def perplexity(logprob_fn, windows) -> float:
+    nll = sum(-logprob_fn(w)[np.arange(WINDOW - 1), w[1:]].sum() for w in windows)
+    return math.exp(nll / (len(windows) * (WINDOW - 1)))
+
+
+def test_llama_cpp_tokenizes_the_evaluation_text_like_transformers(small_run, hf):
+    out, _ = small_run
+    tok, _ = hf
+    text = EVAL_TEXT.read_text()
+    llm = llama_cpp.Llama(model_path=str(out / "q8_0" / "tiny-Q8_0.gguf"), vocab_only=True, verbose=False)
+    assert llm.tokenize(text.encode(), add_bos=False, special=False) == tok(text, add_special_tokens=False)["input_ids"]
+    assert llm.token_bos() == 0 and llm.token_eos() == 0
+
+
+def test_q8_0_perplexity_within_one_percent_of_the_original(small_run, hf, windows):
+    out, _ = small_run
+    _, model = hf
+    llm = load(out / "q8_0" / "tiny-Q8_0.gguf")
+    ppl_gguf = perplexity(lambda w: llama_logprobs(llm, w), windows)
+    ppl_original = perplexity(lambda w: hf_logprobs(model, w), windows)
+    print(f"{len(windows)} windows: original (transformers) {ppl_original:.4f}, Q8_0 (llama.cpp) {ppl_gguf:.4f}")
+    assert abs(ppl_gguf / ppl_original - 1) < 0.01
+
+
+def test_f16_gguf_gives_the_original_log_probs(small_run, hf, windows):
+    out, _ = small_run
+    _, model = hf
+    llm = load(out / "f16" / "tiny-F16.gguf")
+    ours = llama_logprobs(llm, windows[0])
+    ref = hf_logprobs(model, windows[0])
+    assert np.abs(ours - ref).mean() < 2e-3
+    assert (ours.argmax(1) == ref.argmax(1)).mean() > 0.99
+
+
+def test_gguf_generates_text(small_run):
+    out, _ = small_run
+    llm = load(out / "q8_0" / "tiny-Q8_0.gguf")
+    text = llm.create_completion("Captain Wentworth", max_tokens=16, temperature=0.0)["choices"][0]["text"]
+    assert len(text.split()) >= 3

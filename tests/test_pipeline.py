@@ -1,0 +1,120 @@
+"""The recipe job end to end on the bundled model, and what its files hold."""
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from conftest import TINY
+from formats.hf import HFCheckpoint
+from recipes.pipeline import build_variant, model_from_state
+from recipes.schema import Variant
+
+
+def test_report_compares_every_variant_with_the_original(small_run):
+    out, report = small_run
+    rows = {r["name"]: r for r in report["variants"]}
+    assert list(rows) == ["original", "int8", "int4-g64-asym", "f16", "q8_0"]
+    assert report["evaluation"]["windows"] == 2
+    assert rows["original"]["kld"] is None and rows["original"]["tokens"] == 2 * 511
+    assert 20 < rows["original"]["ppl"] < 200
+    # F16 changes the bf16 weights not at all; int4 moves the model far more than int8 does.
+    assert rows["f16"]["kld"] < 1e-6 and rows["f16"]["top1"] > 0.995
+    assert 0 < rows["int8"]["kld"] < rows["int4-g64-asym"]["kld"]
+    assert rows["int8"]["top1"] > rows["int4-g64-asym"]["top1"]
+    for name, row in rows.items():
+        assert row["ppl_delta"] == pytest.approx(row["ppl"] - rows["original"]["ppl"])
+    assert rows["int4-g64-asym"]["bits_per_weight"] < rows["int8"]["bits_per_weight"] < 16
+    assert 8.5 < rows["q8_0"]["bits_per_weight"] < 8.52  # Q8_0 matrices, F32 norms
+    md = (out / "report.md").read_text()
+    assert "| int4-g64-asym | rtn int4-g64-asym |" in md
+    assert not list(out.rglob("*.partial"))
+
+
+def test_every_export_listed_in_the_report_exists(small_run):
+    out, report = small_run
+    files = [f for r in report["variants"] for f in r["files"]]
+    assert {f["path"] for f in files} == {
+        "int8/safetensors", "int4-g64-asym/safetensors", "f16/tiny-F16.gguf", "q8_0/tiny-Q8_0.gguf",
+    }
+    for f in files:
+        path = out / f["path"]
+        size = sum(p.stat().st_size for p in path.rglob("*")) if path.is_dir() else path.stat().st_size
+        assert size == f["bytes"]
+
+
+def test_dense_export_reloads_in_transformers_with_the_variants_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ckpt = HFCheckpoint.open(TINY)
+    variant = Variant.model_validate({
+        "name": "v", "exports": ["safetensors"],
+        "weights": {"method": "rtn", "bits": 4, "symmetric": False, "granularity": "group", "group_size": 64},
+    })
+    built = build_variant(ckpt, variant, tmp_path)
+    in_memory = model_from_state(AutoModelForCausalLM.from_pretrained(TINY).config, built.state)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "v" / "safetensors").eval()
+    ids = torch.randint(0, 8192, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        a = in_memory(input_ids=ids).logits
+        b = reloaded(input_ids=ids).logits
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    original = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        assert (original(input_ids=ids).logits - a).abs().max() > 1e-3  # the variant really is quantized
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_gguf_tensors_decode_to_the_evaluated_weights(tmp_path):
+    """gguf's own reader and dequantizer (independent of our writer) see the variant's weights."""
+    ckpt = HFCheckpoint.open(TINY)
+    variant = Variant.model_validate({"name": "g", "weights": {"method": "gguf", "type": "Q8_0"}, "exports": ["gguf"]})
+    built = build_variant(ckpt, variant, tmp_path)
+    reader = GGUFReader(built.files[0])
+    tensors = {t.name: t for t in reader.tensors}
+    assert len(tensors) == 1 + 1 + 6 * 9  # token_embd, output_norm, 9 per layer (tied: no output)
+    assert tensors["blk.0.attn_norm.weight"].tensor_type.name == "F32"
+    assert tensors["token_embd.weight"].tensor_type.name == "Q8_0"
+    names = [t.name for t in reader.tensors]
+    assert names[:2] == ["output_norm.weight", "token_embd.weight"] and names[2].startswith("blk.0.")
+
+    def decoded(name):
+        t = tensors[name]
+        return dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
+
+    state = built.state
+    np.testing.assert_array_equal(decoded("blk.2.attn_v.weight"), state["model.layers.2.self_attn.v_proj.weight"].numpy())
+    np.testing.assert_array_equal(decoded("token_embd.weight"), state["model.embed_tokens.weight"].numpy())
+    q = _unpermute(decoded("blk.1.attn_q.weight"), 4)
+    k = _unpermute(decoded("blk.1.attn_k.weight"), 2)
+    np.testing.assert_array_equal(q, state["model.layers.1.self_attn.q_proj.weight"].numpy())
+    np.testing.assert_array_equal(k, state["model.layers.1.self_attn.k_proj.weight"].numpy())
+    arch = reader.fields["general.architecture"].contents()
+    assert arch == "llama"
+    assert reader.fields["llama.attention.head_count_kv"].contents() == 2
+    assert reader.fields["general.file_type"].contents() == 7
+    assert len(reader.fields["tokenizer.ggml.tokens"].data) == 8192
+
+
+def test_same_recipe_gives_byte_identical_files(tmp_path):
+    ckpt = HFCheckpoint.open(TINY)
+    variant = Variant.model_validate({
+        "name": "v", "weights": {"method": "gguf", "type": "Q8_0"}, "exports": ["gguf"],
+    })
+    dense = Variant.model_validate({"name": "d", "weights": {"method": "rtn", "bits": 4}, "exports": ["safetensors"]})
+
+    def digest(folder):
+        files = [p for p in sorted(folder.rglob("*")) if p.is_file()]
+        return [(p.relative_to(folder).as_posix(), hashlib.sha256(p.read_bytes()).hexdigest()) for p in files]
+
+    for run in ("a", "b"):
+        build_variant(ckpt, variant, tmp_path / run)
+        build_variant(ckpt, dense, tmp_path / run)
+    assert digest(tmp_path / "a") == digest(tmp_path / "b")
