@@ -123,10 +123,11 @@ def _first_error(error: ValidationError, data: dict) -> str:
             node = node[loc] if isinstance(node, list) and loc < len(node) else None
             if isinstance(node, dict) and "name" in node:
                 parts.append(f"({node['name']})")
-        elif isinstance(node, dict) and loc in node or err["type"] in ("extra_forbidden", "missing"):
+        elif isinstance(node, dict) and node.get("method") == loc and loc not in node:
+            continue  # the tag pydantic adds for the chosen member of a union, not a field name
+        else:
             parts.append(f".{loc}" if parts else str(loc))
             node = node.get(loc) if isinstance(node, dict) else None
-        # else: a union tag such as 'rtn' that pydantic adds to the path; not a field name
     field = "".join(parts) or "recipe"
     kind = err["type"]
     if kind == "extra_forbidden":

@@ -1,0 +1,199 @@
+"""The `quantize` command: its forms, and one clear line with exit status 2 for every bad input."""
+
+import copy
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import SMALL_RECIPE, TINY, write_recipe
+from recipes.cli import main
+
+
+def quantize(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["quantize", *map(str, args)])
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_user_error(result, *fragments: str) -> None:
+    code, out, err = result
+    assert code == 2, (code, out, err)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in err + out
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def recipe_with(tmp_path, **changes):
+    recipe = copy.deepcopy(SMALL_RECIPE)
+    recipe["evaluation"]["max_windows"] = 1
+    recipe["variants"] = recipe["variants"][:1]
+    recipe.update(changes)
+    return recipe
+
+
+def run_bad(monkeypatch, capsys, tmp_path, recipe_text: str | dict, *fragments: str):
+    path = tmp_path / "bad.yaml"
+    if isinstance(recipe_text, dict):
+        path = write_recipe(tmp_path, recipe_text, "bad.yaml")
+    else:
+        path.write_text(recipe_text)
+    out = tmp_path / "out"
+    assert_user_error(quantize(monkeypatch, capsys, path, "--out", out), *fragments)
+    assert not out.exists() or not any(out.rglob("*")), "a failed run left files behind"
+
+
+def test_help_shows_the_recipe_form(monkeypatch, capsys):
+    code, out, _ = quantize(monkeypatch, capsys, "--help")
+    assert code == 0
+    assert "quantize RECIPE.yaml" in out and "inspect" in out
+
+
+def test_missing_recipe_file(monkeypatch, capsys, tmp_path):
+    assert_user_error(quantize(monkeypatch, capsys, tmp_path / "nope.yaml"), "nope.yaml", "not found")
+
+
+def test_malformed_yaml(monkeypatch, capsys, tmp_path):
+    run_bad(monkeypatch, capsys, tmp_path, "model: [unclosed\nvariants: {", "bad.yaml", "malformed YAML", "line")
+
+
+def test_recipe_that_is_not_a_mapping(monkeypatch, capsys, tmp_path):
+    run_bad(monkeypatch, capsys, tmp_path, "- just\n- a list\n", "bad.yaml", "mapping")
+
+
+def test_unknown_top_level_field(monkeypatch, capsys, tmp_path):
+    run_bad(monkeypatch, capsys, tmp_path, recipe_with(tmp_path, modle="x"), "unknown field 'modle'")
+
+
+def test_unknown_field_in_a_variant(monkeypatch, capsys, tmp_path):
+    recipe = recipe_with(tmp_path)
+    recipe["variants"][0]["weights"]["bitz"] = 4
+    run_bad(monkeypatch, capsys, tmp_path, recipe, "unknown field 'variants[0](int8).weights.bitz'")
+
+
+@pytest.mark.parametrize(
+    "weights, fragment",
+    [
+        ({"method": "rtn", "bits": 9}, "variants[0](int8).weights.bits"),
+        ({"method": "sparsegpt", "bits": 4}, "variants[0](int8).weights"),
+        ({"method": "gguf", "type": "Q9_9"}, "variants[0](int8).weights.type"),
+        ({"method": "rtn", "bits": 4, "granularity": "group"}, "needs group_size"),
+        ({"method": "rtn", "bits": 4, "granularity": "group", "group_size": 96}, "group_size 96 does not divide"),
+    ],
+)
+def test_unknown_or_invalid_values(monkeypatch, capsys, tmp_path, weights, fragment):
+    recipe = recipe_with(tmp_path)
+    recipe["variants"][0]["weights"] = weights
+    run_bad(monkeypatch, capsys, tmp_path, recipe, fragment)
+
+
+def test_gguf_export_of_an_rtn_variant_is_refused(monkeypatch, capsys, tmp_path):
+    recipe = recipe_with(tmp_path)
+    recipe["variants"][0]["exports"] = ["gguf"]
+    run_bad(monkeypatch, capsys, tmp_path, recipe, "gguf export needs")
+
+
+def test_duplicate_variant_names(monkeypatch, capsys, tmp_path):
+    recipe = recipe_with(tmp_path)
+    recipe["variants"] = recipe["variants"] * 2
+    run_bad(monkeypatch, capsys, tmp_path, recipe, "repeated: int8")
+
+
+def model_copy(tmp_path) -> Path:
+    dest = tmp_path / "model"
+    shutil.copytree(TINY, dest)
+    for p in dest.iterdir():
+        p.chmod(0o644)
+    return dest
+
+
+def test_model_folder_without_config(monkeypatch, capsys, tmp_path):
+    model = model_copy(tmp_path)
+    (model / "config.json").unlink()
+    run_bad(monkeypatch, capsys, tmp_path, recipe_with(tmp_path, model=str(model)), "model", "no config.json")
+
+
+def test_model_folder_without_weights(monkeypatch, capsys, tmp_path):
+    model = model_copy(tmp_path)
+    (model / "model.safetensors").unlink()
+    run_bad(monkeypatch, capsys, tmp_path, recipe_with(tmp_path, model=str(model)), "no *.safetensors weights")
+
+
+def test_missing_model_folder(monkeypatch, capsys, tmp_path):
+    run_bad(monkeypatch, capsys, tmp_path, recipe_with(tmp_path, model=str(tmp_path / "absent")), "absent", "not found")
+
+
+def test_truncated_safetensors(monkeypatch, capsys, tmp_path):
+    model = model_copy(tmp_path)
+    data = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(data[: len(data) // 2])
+    run_bad(monkeypatch, capsys, tmp_path, recipe_with(tmp_path, model=str(model)), "model.safetensors", "truncated")
+
+
+def test_nan_weights_leave_no_partial_files(monkeypatch, capsys, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = model_copy(tmp_path)
+    tensors = load_file(str(model / "model.safetensors"))
+    tensors["model.layers.3.mlp.up_proj.weight"][5, 7] = float("nan")
+    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+    recipe = recipe_with(tmp_path, model=str(model))
+    recipe["variants"] = [{"name": "q8", "weights": {"method": "gguf", "type": "Q8_0"}, "exports": ["gguf"]},
+                          {"name": "d", "weights": {"method": "rtn", "bits": 8}, "exports": ["safetensors"]}]
+    path = write_recipe(tmp_path, recipe, "nan.yaml")
+    out = tmp_path / "out"
+    assert_user_error(quantize(monkeypatch, capsys, path, "--out", out), "model.layers.3.mlp.up_proj.weight", "NaN")
+    assert not [p for p in out.rglob("*") if p.is_file()]
+    assert torch.isnan(tensors["model.layers.3.mlp.up_proj.weight"]).any()
+
+
+def test_missing_evaluation_text(monkeypatch, capsys, tmp_path):
+    recipe = recipe_with(tmp_path)
+    recipe["evaluation"]["text"] = str(tmp_path / "missing.txt")
+    run_bad(monkeypatch, capsys, tmp_path, recipe, "missing.txt", "not found")
+
+
+def test_inspect_gguf_and_safetensors(monkeypatch, capsys, small_run):
+    out, _ = small_run
+    code, text, _ = quantize(monkeypatch, capsys, "inspect", out / "q8_0" / "tiny-Q8_0.gguf")
+    assert code == 0
+    assert "general.architecture" in text and "blk.0.attn_q.weight" in text and "Q8_0" in text
+    code, text, _ = quantize(monkeypatch, capsys, "inspect", TINY / "model.safetensors")
+    assert code == 0
+    assert "model.layers.0.self_attn.q_proj.weight" in text and "BF16" in text and "256x256" in text
+
+
+def test_inspect_bad_files(monkeypatch, capsys, tmp_path, small_run):
+    out, _ = small_run
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"\x00" * 100)
+    assert_user_error(quantize(monkeypatch, capsys, "inspect", junk), "junk.bin", "neither a GGUF nor a safetensors")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes((out / "q8_0" / "tiny-Q8_0.gguf").read_bytes()[:5000])
+    assert_user_error(quantize(monkeypatch, capsys, "inspect", cut), "cut.gguf")
+    assert_user_error(quantize(monkeypatch, capsys, "inspect", tmp_path / "none.gguf"), "none.gguf", "not found")
+
+
+def test_console_script_exits_2_without_a_traceback(tmp_path):
+    """The installed `quantize` entry point itself, in a fresh process."""
+    exe = Path(sys.executable).with_name("quantize")
+    if not exe.exists():
+        pytest.skip("quantize console script not installed in this environment (pip install -e .)")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: x\nvariants: [\n")
+    proc = subprocess.run([str(exe), str(bad)], capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("error: ") and "bad.yaml" in proc.stderr
