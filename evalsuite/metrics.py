@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 
@@ -75,14 +75,11 @@ def score(
     vocabulary for every token of the text would not fit in memory for real models.
     """
     acc = _Accumulator()
-    for window in _batches(windows):
+    for i in range(windows.shape[0]):
+        window = windows[i : i + 1]
         targets = window[:, 1:]
         acc.add(variant(window), targets, reference(window) if reference else None)
         if on_window:
             on_window()
     return acc.scores(compare=reference is not None)
 
-
-def _batches(windows: torch.Tensor) -> Iterable[torch.Tensor]:
-    for i in range(windows.shape[0]):
-        yield windows[i : i + 1]

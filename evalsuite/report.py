@@ -56,7 +56,7 @@ def _cells(row: VariantRow) -> list[str]:
         f"{row.bits_per_weight:.2f}",
         f"{row.size_mb:.2f}",
         f"{s.ppl:.3f}",
-        f"{row.ppl_delta:+.3f}",
+        f"{round(row.ppl_delta, 3) + 0.0:+.3f}",  # no "-0.000"
         "—" if s.kld is None else f"{s.kld:.5f}",
         "—" if s.top1 is None else f"{100 * s.top1:.2f}%",
         f"{row.seconds:.1f}",

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
 
 from formats.hf import HFCheckpoint
 from quant.types import GGMLTensor, InputError
@@ -118,8 +118,6 @@ class GGUFFileWriter:
 
 
 def _nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
-    from gguf import GGML_QUANT_SIZES
-
     block, block_bytes = GGML_QUANT_SIZES[qtype]
     n = int(np.prod(shape))
     return n // block * block_bytes

@@ -12,6 +12,8 @@ from typing import Literal, Union
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 
 Granularity = Literal["tensor", "channel", "group"]
 
@@ -94,9 +96,6 @@ class GGMLTensor:
     shape: tuple[int, ...]
 
     def dequantize(self) -> torch.Tensor:
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
         values = dequantize(self.raw, GGMLQuantizationType[self.ggml_type])
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape)
 

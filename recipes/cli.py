@@ -69,23 +69,10 @@ def main() -> None:
     if args and not args[0].startswith("-") and args[0] not in commands:
         args = ["run", *args]
     try:
-        app(args=args, prog_name="quantize", standalone_mode=False)
+        app(args=args, prog_name="quantize")  # usage errors: typer prints them and exits with 2
     except InputError as e:
         console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
-    except KeyboardInterrupt:
-        console.print("interrupted")
-        sys.exit(130)
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
-    except Exception as e:  # click's usage errors
-        import click
-
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        raise
-
 
 if __name__ == "__main__":
     main()

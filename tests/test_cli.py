@@ -197,3 +197,10 @@ def test_console_script_exits_2_without_a_traceback(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().startswith("error: ") and "bad.yaml" in proc.stderr
+
+
+def test_usage_errors_exit_2(monkeypatch, capsys):
+    code, _, err = quantize(monkeypatch, capsys, "inspect")
+    assert code == 2 and "Missing argument" in err and "Traceback" not in err
+    code, _, err = quantize(monkeypatch, capsys, "recipes/demo.yaml", "--bogus")
+    assert code == 2 and "No such option" in err
