@@ -53,7 +53,9 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     with _progress(console) as progress:
+        loading = progress.add_task("original: load for evaluation", total=None)
         reference_model = _load_reference(ckpt)
+        progress.remove_task(loading)
         reference = causal_lm_logprobs(reference_model)
         start = time.perf_counter()
         original = _scored(progress, "original: evaluate", lambda tick: score(reference, windows, on_window=tick), len(windows))
