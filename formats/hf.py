@@ -204,3 +204,37 @@ class DenseSafetensorsWriter:
     def abort(self) -> None:
         self._file.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def load_causal_lm(ckpt: HFCheckpoint) -> torch.nn.Module:
+    """The whole model in transformers, float32, for evaluation and calibration."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # our own progress bars cover the long steps
+    try:
+        model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32)
+    except (ValueError, KeyError, OSError) as e:
+        raise InputError(f"{ckpt.path}: transformers cannot load this model ({str(e).splitlines()[0]})") from None
+    return model.eval()
+
+
+def load_tokenizer(ckpt: HFCheckpoint):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(ckpt.path)
+    except (ValueError, KeyError, OSError) as e:
+        raise InputError(f"{ckpt.path}: cannot load the tokenizer ({str(e).splitlines()[0]})") from None
+
+
+def model_from_state(config, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A transformers model with exactly these weights (tied output head included)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"variant weights do not match the model: missing {missing}, unexpected {unexpected}")
+    return model.eval()

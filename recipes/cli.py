@@ -45,6 +45,37 @@ def run(
 
 
 @app.command()
+def export(
+    model: Path = typer.Argument(..., help="Hugging Face model folder (config.json, *.safetensors, tokenizer)."),
+    gguf: str = typer.Option(..., "--gguf", help="GGUF file type: F32 F16 BF16 Q8_0 Q6_K Q5_K_M Q5_K_S Q4_K_M Q4_K_S Q3_K_L Q3_K_M Q3_K_S Q2_K Q5_1 Q5_0 Q4_1 Q4_0."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output .gguf file (an Ollama Modelfile is written beside it)."),
+    imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Calibration text: compute an importance matrix from it and use it."),
+) -> None:
+    """Convert a Hugging Face checkpoint to a GGUF file in one step, as llama.cpp's converter and quantizer would."""
+    from calib.text import token_windows
+    from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
+    from quant.ggml import FILE_TYPES
+    from recipes.pipeline import model_imatrix, progress_bar
+    from recipes.variants import build_variant, gguf_variant, plan_variant
+
+    file_type = gguf.upper()
+    if file_type not in FILE_TYPES:
+        raise InputError(f"--gguf {gguf}: unknown GGUF file type (choose from {', '.join(FILE_TYPES)})")
+    ckpt = HFCheckpoint.open(model)
+    variant = gguf_variant(file_type, imatrix is not None)
+    plan_variant(ckpt, variant, imatrix is not None)
+    with progress_bar(console) as progress:
+        importance = None
+        if imatrix is not None:
+            windows = token_windows(load_tokenizer(ckpt), imatrix, 512, 128)
+            calibrating = progress.add_task("importance matrix", total=len(windows))
+            importance = model_imatrix(load_causal_lm(ckpt), ckpt, windows, lambda: progress.advance(calibrating))
+            progress.remove_task(calibrating)
+        built = build_variant(ckpt, variant, out.parent, progress, imatrix=importance, keep_weights=False, gguf_path=out)
+    stdout.print(f"{out}: {file_type}, {out.stat().st_size / 2**20:.2f} MiB, {built.bits_per_weight:.3f} bits per weight")
+
+
+@app.command()
 def inspect(file: Path = typer.Argument(..., help="A .gguf or .safetensors file.")) -> None:
     """Show a model file's metadata and tensors: names, types, shapes, bits per weight."""
     from formats.inspect import inspect_file

@@ -47,6 +47,7 @@ class GGUFWeights(_Strict):
 
     method: Literal["gguf"]
     type: Literal[tuple(FILE_TYPES)]  # type: ignore[valid-type]
+    imatrix: bool = False  # weight rounding errors by an importance matrix from the calibration text
 
 
 class Variant(_Strict):
@@ -67,11 +68,25 @@ class Evaluation(_Strict):
     max_windows: int | None = Field(default=None, ge=1)
 
 
+class Calibration(_Strict):
+    text: Path
+    window: int = Field(default=512, ge=16, le=32768)
+    max_windows: int | None = Field(default=128, ge=1)
+
+
 class Recipe(_Strict):
     model: Path
     evaluation: Evaluation
+    calibration: Calibration | None = None
     variants: list[Variant] = Field(min_length=1)
     output: Path | None = None
+
+    @model_validator(mode="after")
+    def _imatrix_needs_calibration(self) -> "Recipe":
+        needing = [v.name for v in self.variants if getattr(v.weights, "imatrix", False)]
+        if needing and self.calibration is None:
+            raise ValueError(f"variant '{needing[0]}' uses an importance matrix: add 'calibration: {{text: ...}}'")
+        return self
 
     @field_validator("variants")
     @classmethod
@@ -107,6 +122,8 @@ def load_recipe(path: Path) -> Recipe:
         update={
             "model": base / recipe.model,
             "evaluation": recipe.evaluation.model_copy(update={"text": base / recipe.evaluation.text}),
+            "calibration": recipe.calibration.model_copy(update={"text": base / recipe.calibration.text})
+            if recipe.calibration else None,
             "output": base / recipe.output if recipe.output else None,
         }
     )

@@ -48,3 +48,30 @@ def ggml_quantize(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) 
     )
     assert written == out.nbytes, (written, out.nbytes)
     return out
+
+
+def llama_quantize_file(src: Path, dst: Path, ftype: int, imatrix: dict[str, np.ndarray] | None = None,
+                        nthread: int = 2) -> None:
+    """Run llama.cpp's own file quantizer (what `llama-quantize` does) on a GGUF file.
+
+    ``imatrix`` maps GGUF tensor names to per-column importance (llama.cpp's imatrix entries).
+    """
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.nthread = nthread
+    params.ftype = ftype
+    keep = []
+    if imatrix:
+        entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix) + 1))()
+        for i, (name, values) in enumerate(imatrix.items()):
+            values = np.ascontiguousarray(values, dtype=np.float32)
+            keep.append(values)
+            entries[i].name = name.encode()
+            entries[i].data = values.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            entries[i].size = values.size
+        entries[len(imatrix)].name = None
+        params.imatrix = entries
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize failed ({rc}) on {src}")

@@ -10,7 +10,8 @@ from gguf.quants import dequantize
 
 from conftest import TINY
 from formats.hf import HFCheckpoint
-from recipes.pipeline import build_variant, model_from_state
+from formats.hf import model_from_state
+from recipes.variants import build_variant
 from recipes.schema import Variant
 
 

@@ -2,18 +2,23 @@ import numpy as np
 import pytest
 import torch
 
-from quant.ggml import encode, tensor_type
+from quant.ggml import encode
+from quant.ggml.rules import tensor_types
 from quant.types import InputError
 
 
-def test_tensor_types_follow_llama_quantize_rules():
-    assert tensor_type("Q8_0", "model.layers.0.self_attn.q_proj.weight", (256, 256)) == "Q8_0"
-    assert tensor_type("Q8_0", "model.embed_tokens.weight", (8192, 256)) == "Q8_0"
-    assert tensor_type("Q8_0", "model.layers.0.input_layernorm.weight", (256,)) == "F32"
-    assert tensor_type("Q8_0", "model.norm.weight", (256,)) == "F32"
-    assert tensor_type("Q8_0", "model.layers.0.mlp.down_proj.weight", (256, 40)) == "F16"  # row not in blocks
-    assert tensor_type("F16", "model.layers.0.mlp.down_proj.weight", (256, 768)) == "F16"
-    assert tensor_type("F32", "model.layers.0.mlp.down_proj.weight", (256, 768)) == "F32"
+def test_float_and_q8_0_files_keep_norms_in_f32():
+    config = {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
+    tensors = [
+        ("model.embed_tokens.weight", (8192, 256)),
+        ("model.layers.0.input_layernorm.weight", (256,)),
+        ("model.layers.0.self_attn.q_proj.weight", (256, 256)),
+        ("model.layers.0.mlp.down_proj.weight", (256, 40)),  # rows that do not split into blocks of 32
+        ("model.norm.weight", (256,)),
+    ]
+    assert list(tensor_types("Q8_0", tensors, config).values()) == ["Q8_0", "F32", "Q8_0", "F16", "F32"]
+    assert list(tensor_types("F16", tensors, config).values()) == ["F16", "F32", "F16", "F16", "F32"]
+    assert list(tensor_types("F32", tensors, config).values()) == ["F32"] * 5
 
 
 def test_q8_0_blocks_hold_each_value_within_half_a_step():

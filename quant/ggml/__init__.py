@@ -1,43 +1,53 @@
-"""Encoding weights in ggml types, with llama.cpp's choice of type per tensor for a GGUF file type.
+"""Encoding weights in ggml types, as llama.cpp's quantizer does, for GGUF files.
 
 The payloads made here are what the GGUF writer stores verbatim, and their dequantized values are
-what the in-memory evaluation of the same variant uses, so the report and the file agree.
+what the in-memory evaluation of the same variant uses, so the report and the file agree. The
+K-quant encoders are byte-exact ports of llama.cpp's (see the kquant_* modules); the float types
+and the legacy 32-blocks come from the `gguf` package, which is byte-exact for them.
 """
 
 from __future__ import annotations
 
+from importlib import import_module
+
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
+from quant.ggml.rules import FILE_TYPES, tensor_types
 from quant.types import GGMLTensor, InputError
 
-# GGUF file types this module can write, with their `general.file_type` id and base tensor type.
-FILE_TYPES: dict[str, tuple[int, str]] = {
-    "F32": (0, "F32"),
-    "F16": (1, "F16"),
-    "Q8_0": (7, "Q8_0"),
+__all__ = ["FILE_TYPES", "encode", "tensor_types"]
+
+# ggml type -> (module, function) of our own encoders; everything else goes through gguf.quants.
+_KQUANTS = {
+    "Q2_K": ("quant.ggml.kquant_affine", "quantize_q2_k"),
+    "Q4_K": ("quant.ggml.kquant_affine", "quantize_q4_k"),
+    "Q5_K": ("quant.ggml.kquant_affine", "quantize_q5_k"),
+    "Q3_K": ("quant.ggml.kquant_symmetric", "quantize_q3_k"),
+    "Q6_K": ("quant.ggml.kquant_symmetric", "quantize_q6_k"),
 }
+_IGNORE_IMATRIX = ("F32", "F16", "BF16", "Q8_0")  # llama.cpp ignores the importance matrix for these
 
 
-def tensor_type(file_type: str, name: str, shape: tuple[int, ...]) -> str:
-    """The ggml type llama.cpp's quantizer gives tensor ``name`` (HF name) in a ``file_type`` file.
+def encode(weight: torch.Tensor, ggml_type: str, name: str = "tensor", imatrix: np.ndarray | None = None) -> GGMLTensor:
+    """Encode a float tensor in ``ggml_type`` (rows along the last dimension).
 
-    Norms, biases and other 1-D tensors stay F32. A matrix whose row does not split into whole
-    blocks falls back to F16, as llama-quantize does.
+    ``imatrix`` holds one importance value per input column (mean squared activation), used by
+    the types whose llama.cpp quantizer takes one.
     """
-    base = FILE_TYPES[file_type][1]
-    if len(shape) < 2 or not name.endswith(".weight") or "norm" in name:
-        return "F32"
-    block, _ = GGML_QUANT_SIZES[GGMLQuantizationType[base]]
-    return base if shape[-1] % block == 0 else "F16"
-
-
-def encode(weight: torch.Tensor, ggml_type: str, name: str = "tensor") -> GGMLTensor:
-    """Encode a float tensor in ``ggml_type`` (rows along the last dimension)."""
-    data = weight.to(torch.float32).numpy()
+    data = np.ascontiguousarray(weight.to(torch.float32).numpy())
     if not np.isfinite(data).all():
         raise InputError(f"{name}: weights contain NaN or Inf")
-    raw = quantize(np.ascontiguousarray(data), GGMLQuantizationType[ggml_type])
+    if ggml_type in _IGNORE_IMATRIX:
+        imatrix = None
+    if ggml_type in _KQUANTS:
+        module, function = _KQUANTS[ggml_type]
+        rows = data.reshape(-1, data.shape[-1])
+        raw = getattr(import_module(module), function)(rows, imatrix)
+    elif imatrix is not None:
+        raise InputError(f"{name}: an importance matrix is not supported for {ggml_type} yet")
+    else:
+        raw = quantize(data, GGMLQuantizationType[ggml_type])
     return GGMLTensor(ggml_type=ggml_type, raw=raw, shape=tuple(weight.shape))

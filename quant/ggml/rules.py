@@ -1,0 +1,150 @@
+"""Which ggml type each tensor gets in a GGUF file of a given file type.
+
+These are llama.cpp's rules (``llama_tensor_get_type``): a K-quant file is a mixture, with more bits
+for the tensors that hurt most when squeezed (the output head, some attn_v and ffn_down layers).
+Reproducing them exactly is what makes our files byte-identical to ``llama-quantize``'s and makes
+Q4_K_M mean the same thing here as everywhere else. Tensors are named by their Hugging Face names.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class FileType:
+    name: str
+    id: int  # general.file_type (llama_ftype)
+    base: str  # the ggml type of tensors no rule singles out
+
+
+FILE_TYPES: dict[str, FileType] = {
+    ft.name: ft
+    for ft in (
+        FileType("F32", 0, "F32"),
+        FileType("F16", 1, "F16"),
+        FileType("BF16", 32, "BF16"),
+        FileType("Q8_0", 7, "Q8_0"),
+        FileType("Q4_0", 2, "Q4_0"),
+        FileType("Q4_1", 3, "Q4_1"),
+        FileType("Q5_0", 8, "Q5_0"),
+        FileType("Q5_1", 9, "Q5_1"),
+        FileType("Q2_K", 10, "Q2_K"),
+        FileType("Q3_K_S", 11, "Q3_K"),
+        FileType("Q3_K_M", 12, "Q3_K"),
+        FileType("Q3_K_L", 13, "Q3_K"),
+        FileType("Q4_K_S", 14, "Q4_K"),
+        FileType("Q4_K_M", 15, "Q4_K"),
+        FileType("Q5_K_S", 16, "Q5_K"),
+        FileType("Q5_K_M", 17, "Q5_K"),
+        FileType("Q6_K", 18, "Q6_K"),
+    )
+}
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+# When a row does not split into the chosen type's blocks (newer llama.cpp's fallbacks).
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_0"}
+
+_ROLES = (
+    ("lm_head.weight", "output"),
+    ("embed_tokens.weight", "token_embd"),
+    ("self_attn.v_proj.weight", "attn_v"),
+    ("self_attn.o_proj.weight", "attn_output"),
+    ("mlp.down_proj.weight", "ffn_down"),
+)
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def is_quantizable(name: str, shape: tuple[int, ...]) -> bool:
+    """Norms, biases and other 1-D tensors keep full precision (F32) in every file type."""
+    return len(shape) >= 2 and name.endswith("weight") and "norm" not in name
+
+
+def use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's pick of layers that get a bigger type: the first and last eighth, every third between."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def block_size(ggml_type: str) -> int:
+    return GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]][0]
+
+
+def tensor_types(file_type: str, tensors: list[tuple[str, tuple[int, ...]]], config: dict,
+                 has_imatrix: bool = False) -> dict[str, str]:
+    """The ggml type of every tensor (by HF name) in a ``file_type`` GGUF file of this model."""
+    ft = FILE_TYPES[file_type]
+    n_layers = config["num_hidden_layers"]
+    n_gqa = config["num_attention_heads"] // config.get("num_key_value_heads", config["num_attention_heads"])
+    has_output = any(name == "lm_head.weight" for name, _ in tensors)
+    types = {}
+    for name, shape in tensors:
+        if not is_quantizable(name, shape):
+            types[name] = "F32"
+        elif ft.base in FLOAT_TYPES:
+            types[name] = ft.base
+        else:
+            chosen = _choose(ft, _role(name, has_output), _layer(name), n_layers, n_gqa, shape[-1], has_imatrix)
+            types[name] = _fit_rows(chosen, shape[-1])
+    return types
+
+
+def _role(name: str, has_output: bool) -> str:
+    for suffix, role in _ROLES:
+        if name.endswith(suffix):
+            return "output" if role == "token_embd" and not has_output else role
+    return "other"
+
+
+def _layer(name: str) -> int:
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else -1
+
+
+def _choose(ft: FileType, role: str, i: int, n: int, n_gqa: int, row: int, has_imatrix: bool) -> str:
+    name, base = ft.name, ft.base
+    if role == "output":
+        if row % 256:
+            return "Q8_0"
+        return base if base == "Q8_0" else "Q6_K"
+    if role == "attn_v":
+        if name == "Q2_K":
+            return "Q4_K" if n_gqa >= 4 else "Q3_K"
+        if name == "Q3_K_M":
+            return "Q5_K" if i < 2 else "Q4_K"
+        if name == "Q3_K_L":
+            return "Q5_K"
+        if name in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, n):
+            return "Q6_K"
+        if name == "Q4_K_S" and i < 4:
+            return "Q5_K"
+    elif role == "ffn_down":
+        if name == "Q2_K":
+            return "Q3_K"
+        if name == "Q3_K_M":
+            return "Q5_K" if i < n // 16 else "Q4_K"
+        if name == "Q3_K_L":
+            return "Q5_K"
+        if name in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, n):
+            return "Q6_K"
+        if name == "Q4_K_S" and i < n // 8:
+            return "Q5_K"
+        if name in ("Q4_0", "Q5_0") and has_imatrix and i < n // 8:
+            return "Q4_1" if name == "Q4_0" else "Q5_1"
+    elif role == "attn_output":
+        if name == "Q2_K":
+            return "Q3_K"
+        if name == "Q3_K_M":
+            return "Q4_K"
+        if name == "Q3_K_L":
+            return "Q5_K"
+    return base
+
+
+def _fit_rows(ggml_type: str, row: int) -> str:
+    if row % block_size(ggml_type) == 0:
+        return ggml_type
+    fallback = _FALLBACK.get(ggml_type, "F16")
+    return fallback if row % block_size(fallback) == 0 else "F16"

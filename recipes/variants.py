@@ -1,0 +1,149 @@
+"""Building one variant: every tensor streamed from the source checkpoint through its quantizer
+into the variant's files and, when it is to be evaluated, into its in-memory weights.
+
+One tensor is in flight at a time; the writers lay out their headers from a plan made before the
+first tensor is read, so a model larger than RAM converts in bounded memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.progress import Progress
+
+from formats.gguf import GGUFFileWriter, architecture_of, gguf_name, gguf_order
+from formats.hf import DenseSafetensorsWriter, HFCheckpoint, is_linear_weight
+from formats.modelfile import write_modelfile
+from quant.ggml import FILE_TYPES, encode, tensor_types
+from quant.rtn import quantize_rtn
+from quant.types import InputError, TensorPayload, dequantized
+from recipes.schema import GGUFWeights, RTNWeights, Variant
+
+Imatrix = dict[str, np.ndarray]  # HF weight name -> importance per input column
+
+
+@dataclass
+class BuiltVariant:
+    """A variant's weights as evaluated (float32, by HF name; empty unless kept), its files, its size."""
+
+    state: dict[str, torch.Tensor]
+    files: list[Path]
+    bits_per_weight: float
+
+
+@dataclass
+class Plan:
+    """What one variant will write: tensors in order, with each tensor's ggml type for GGUF."""
+
+    names: list[str]
+    ggml_types: dict[str, str] = field(default_factory=dict)
+
+
+def plan_variant(ckpt: HFCheckpoint, variant: Variant, imatrix: bool = False) -> Plan:
+    """Check a variant against the model's shapes and fix the tensor order and types; reads no data."""
+    names = ckpt.names
+    weights = variant.weights
+    if isinstance(weights, RTNWeights):
+        spec = weights.spec
+        targets = [n for n in names if is_linear_weight(n, ckpt.shape(n))]
+        if not targets:
+            raise InputError(f"{ckpt.path}: no Linear weights to quantize")
+        if spec.granularity == "group":
+            for n in targets:
+                if ckpt.shape(n)[1] % spec.group_size:
+                    raise InputError(
+                        f"variant '{variant.name}': group_size {spec.group_size} does not divide "
+                        f"the input size {ckpt.shape(n)[1]} of tensor '{n}'"
+                    )
+        return Plan(names)
+    if "gguf" in variant.exports:
+        architecture_of(ckpt)
+        names = [n for n in names if gguf_name(n) is not None]
+        names.sort(key=lambda n: gguf_order(gguf_name(n)))
+    return Plan(names, tensor_types(weights.type, [(n, ckpt.shape(n)) for n in names], ckpt.config, imatrix))
+
+
+def build_variant(
+    ckpt: HFCheckpoint,
+    variant: Variant,
+    out_dir: Path,
+    progress: Progress | None = None,
+    imatrix: Imatrix | None = None,
+    keep_weights: bool = True,
+    gguf_path: Path | None = None,
+) -> BuiltVariant:
+    """Quantize ``variant`` tensor by tensor into its exports under ``out_dir/<variant name>``.
+
+    ``gguf_path`` overrides where the GGUF export goes. With ``keep_weights`` the dequantized
+    weights are also kept for evaluation (the whole model in float32).
+    """
+    plan = plan_variant(ckpt, variant, imatrix is not None)
+    progress = progress or Progress(disable=True)
+    vdir = out_dir / variant.name
+    writers: list = []
+    if "safetensors" in variant.exports:
+        shapes = [(n, ckpt.shape(n)) for n in plan.names]
+        writers.append(DenseSafetensorsWriter(vdir / "safetensors", shapes, torch.float32, ckpt))
+    if "gguf" in variant.exports:
+        file_type = variant.weights.type
+        dest = gguf_path or vdir / f"{ckpt.path.name}-{file_type}.gguf"
+        gguf_plan = [(n, ckpt.shape(n), plan.ggml_types[n]) for n in plan.names]
+        writers.append(GGUFFileWriter(dest, ckpt, FILE_TYPES[file_type].id, gguf_plan))
+
+    state: dict[str, torch.Tensor] = {}
+    bits = params = 0.0
+    task = progress.add_task(f"{variant.name}: quantize + export", total=len(plan.names))
+    try:
+        for name in plan.names:
+            payload = _quantize(ckpt, variant, plan, name, imatrix)
+            weights = dequantized(payload) if keep_weights or "safetensors" in variant.exports else None
+            for w in writers:
+                w.add(name, weights if isinstance(w, DenseSafetensorsWriter) else payload)
+            if keep_weights:
+                state[name] = weights
+            n = _numel(ckpt.shape(name))
+            bits += _bits(payload) * n
+            params += n
+            progress.advance(task)
+        files = [w.finish() for w in writers]
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    finally:
+        progress.remove_task(task)
+    for f in files:
+        if f.suffix == ".gguf":
+            write_modelfile(f, ckpt)
+    return BuiltVariant(state, files, bits / params)
+
+
+def _quantize(ckpt: HFCheckpoint, variant: Variant, plan: Plan, name: str, imatrix: Imatrix | None) -> TensorPayload:
+    tensor = ckpt.tensor(name)
+    if not torch.isfinite(tensor).all():
+        raise InputError(f"{ckpt.path}: tensor '{name}' contains NaN or Inf")
+    weights = variant.weights
+    if isinstance(weights, RTNWeights):
+        if is_linear_weight(name, tuple(tensor.shape)):
+            return quantize_rtn(tensor, weights.spec, name)
+        return tensor
+    importance = imatrix.get(name) if imatrix else None
+    return encode(tensor, plan.ggml_types[name], name, importance)
+
+
+def _bits(payload: TensorPayload) -> float:
+    if isinstance(payload, torch.Tensor):
+        return payload.element_size() * 8.0
+    return payload.bits_per_weight
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return int(torch.Size(shape).numel())
+
+
+def gguf_variant(file_type: str, imatrix: bool = False) -> Variant:
+    """The variant behind ``quantize export --gguf TYPE``."""
+    return Variant(name=file_type, weights=GGUFWeights(method="gguf", type=file_type, imatrix=imatrix), exports=["gguf"])
