@@ -1,8 +1,8 @@
 """Hugging Face checkpoints: a lazy reader over safetensors files, and a streaming dense writer.
 
 The reader validates the folder up front (config, weights, every safetensors header against its
-file size) so a bad input fails with one clear line before any work starts, then hands out one
-tensor at a time through safetensors' memory map. The writer lays out the header first and then
+file size) so a bad input fails with one clear line before any work starts, then reads one tensor
+at a time. The writer lays out the header first and then
 streams tensor bytes, so neither side ever holds the whole model.
 """
 
@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-from safetensors import safe_open
-
 from quant.types import InputError
 
 _ST_DTYPES = {
@@ -33,7 +31,10 @@ TOKENIZER_FILES = (
 
 
 def read_safetensors_header(path: Path) -> dict[str, dict]:
-    """Parse and check a safetensors header without loading data; raise InputError if damaged."""
+    """Parse and check a safetensors header without loading data; raise InputError if damaged.
+
+    Each tensor's entry gains ``file_offset``, where its bytes start in the file.
+    """
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -66,6 +67,7 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
         expected = _ST_DTYPES[dtype].itemsize * _numel(shape)
         if end - begin != expected:
             raise InputError(f"{path}: tensor '{name}' has {end - begin} bytes, its shape {shape} needs {expected}")
+        info["file_offset"] = 8 + n + begin
     return header
 
 
@@ -84,7 +86,6 @@ class HFCheckpoint:
         self.config = config
         self._file_of = {name: file for file, header in headers.items() for name in header}
         self._info = {name: info for header in headers.values() for name, info in header.items()}
-        self._handles: dict[Path, object] = {}
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "HFCheckpoint":
@@ -121,10 +122,17 @@ class HFCheckpoint:
         return _ST_DTYPES[self._info[name]["dtype"]]
 
     def tensor(self, name: str) -> torch.Tensor:
-        file = self._file_of[name]
-        if file not in self._handles:
-            self._handles[file] = safe_open(str(file), framework="pt")
-        return self._handles[file].get_tensor(name)
+        """Read one tensor with a plain file read rather than a memory map: pages of a mapped file
+        stay resident, so mapping a model larger than RAM would grow the process to its size."""
+        info = self._info[name]
+        begin, end = info["data_offsets"]
+        with open(self._file_of[name], "rb") as f:
+            f.seek(info["file_offset"])
+            data = bytearray(f.read(end - begin))
+        dtype = _ST_DTYPES[info["dtype"]]
+        if not data:
+            return torch.empty(info["shape"], dtype=dtype)
+        return torch.frombuffer(data, dtype=dtype).reshape(info["shape"])
 
     @property
     def architecture(self) -> str:
