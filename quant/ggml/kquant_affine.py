@@ -1,0 +1,456 @@
+"""llama.cpp's affine K-quant encoders (Q4_K, Q5_K, Q2_K) in numpy, byte for byte.
+
+A GGUF file we write must hold exactly the bytes `llama-quantize` would write, so that our files can
+be checked tensor for tensor against llama.cpp's and so that the model we evaluate is the model users
+get. These types store x ≈ d·sc_j·q − dmin·m_j: every sub-block gets its own scale and offset from
+ggml's weighted search, and those are quantized again against one fp16 pair per 256-element
+super-block. The rules that make this exact (docs/gguf-kquants.md §1) are followed throughout: every
+intermediate is float32 (constants are wrapped in ``np.float32``), each sum ggml computes left to
+right is accumulated element by element, rounding is half-to-even (``np.rint``), and every store
+into a C ``uint8_t`` wraps modulo 256 where ggml's does.
+
+Work is vectorised across all sub-blocks of a chunk of super-blocks: Python loops only over the
+element index inside a sub-block and over search steps. Chunks bound the memory (and keep the
+working arrays near the CPU caches); blocks are independent, so the bytes do not depend on chunking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+QK_K = 256
+_F32 = np.float32
+_ZERO = _F32(0.0)
+# Super-blocks per chunk (256K values, ~1 MB per float32 work array): large enough that the many
+# per-group operations on [sub-blocks] arrays cost little next to the full-array passes, small
+# enough that the dozen work arrays stay near the CPU caches. Measured fastest from 512 to 1024.
+_CHUNK_BLOCKS = 1024
+_GROUP_MAX_EPS = _F32(1e-15)
+
+Encoder = Callable[[np.ndarray, np.ndarray | None], np.ndarray]
+
+
+def quantize_q4_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
+    """Q4_K bytes of ``x [rows, n_per_row]`` (144 per 256 values), as ``ggml_quantize_chunk`` writes."""
+    return _quantize(x, qw, 144, _encode_q4_k)
+
+
+def quantize_q5_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
+    """Q5_K bytes of ``x [rows, n_per_row]`` (176 per 256 values), as ``ggml_quantize_chunk`` writes."""
+    return _quantize(x, qw, 176, _encode_q5_k)
+
+
+def quantize_q2_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
+    """Q2_K bytes of ``x [rows, n_per_row]`` (84 per 256 values), as ``ggml_quantize_chunk`` writes."""
+    return _quantize(x, qw, 84, _encode_q2_k)
+
+
+# ------------------------------------------------------------------------------------------------
+# Driver
+
+
+def _quantize(x: np.ndarray, qw: np.ndarray | None, block_bytes: int, encode: Encoder) -> np.ndarray:
+    """Split the rows into super-blocks and encode them chunk by chunk.
+
+    ggml gives every super-block the importance weights of its own columns, so each chunk gets the
+    matching slice of ``qw`` however the chunk boundaries fall across rows.
+    """
+    x = np.ascontiguousarray(x, dtype=_F32)
+    if x.ndim != 2 or x.shape[1] % QK_K:
+        raise ValueError(f"expected [rows, n_per_row] with n_per_row a multiple of {QK_K}, got {x.shape}")
+    rows, n_per_row = x.shape
+    per_row = n_per_row // QK_K
+    blocks = x.reshape(-1, QK_K)
+    qw_blocks = None
+    if qw is not None:
+        qw = np.ascontiguousarray(qw, dtype=_F32)
+        if qw.shape != (n_per_row,):
+            raise ValueError(f"importance weights must have shape ({n_per_row},), got {qw.shape}")
+        if not np.isfinite(qw).all():
+            raise ValueError("importance weights contain NaN or Inf")
+        qw_blocks = qw.reshape(per_row, QK_K)
+    out = np.empty((len(blocks), block_bytes), dtype=np.uint8)
+    # Division by zero, overflow and NaN happen in ggml too (flat groups, subnormal data, rejected
+    # candidates); the encoders mask or reproduce their effect instead of avoiding them.
+    with np.errstate(all="ignore"):
+        for start in range(0, len(blocks), _CHUNK_BLOCKS):
+            stop = min(start + _CHUNK_BLOCKS, len(blocks))
+            if not np.isfinite(blocks[start:stop]).all():
+                raise ValueError("cannot quantize NaN or Inf (llama.cpp rejects the resulting blocks)")
+            qwb = None if qw_blocks is None else qw_blocks[np.arange(start, stop) % per_row]
+            out[start:stop] = encode(blocks[start:stop], qwb)
+    return out.reshape(rows, per_row * block_bytes)
+
+
+def _encode_q4_k(xb: np.ndarray, qwb: np.ndarray | None) -> np.ndarray:
+    """Q4_K: nibble pairs hold elements l and l + 32 of each 64, so two sub-blocks share 32 bytes."""
+    d, dmin, scales, L = _encode_k4(xb, qwb, nmax=15, ref_search=(-1.0, 0.1, 20), clamp_imatrix_scales=False)
+    Lb = _block_order(L)
+    qs = Lb.reshape(-1, 4, 2, 32)
+    qs = qs[:, :, 0] | (qs[:, :, 1] << 4)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, qs.reshape(-1, 128)], axis=1)
+
+
+def _encode_q5_k(xb: np.ndarray, qwb: np.ndarray | None) -> np.ndarray:
+    """Q5_K: Q4_K's nibbles for the low 4 bits, plus one byte of 5th bits per lane l of 32."""
+    d, dmin, scales, L = _encode_k4(xb, qwb, nmax=31, ref_search=(-0.5, 0.1, 15), clamp_imatrix_scales=True)
+    Lb = _block_order(L)
+    low = (Lb & 15).reshape(-1, 4, 2, 32)
+    qs = low[:, :, 0] | (low[:, :, 1] << 4)
+    high = (Lb >> 4).reshape(-1, 8, 32)  # bit j of qh[l] is the 5th bit of element 32j + l
+    qh = np.zeros((len(Lb), 32), dtype=np.uint8)
+    for j in range(8):
+        qh |= high[:, j] << j
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, qh, qs.reshape(-1, 128)], axis=1)
+
+
+def _encode_q2_k(xb: np.ndarray, qwb: np.ndarray | None) -> np.ndarray:
+    """Q2_K: 16 sub-blocks of 16, each with a 4-bit scale and min sharing a byte (a_j | b_j << 4)."""
+    xs = _groups(xb, 16)
+    if qwb is None:
+        # Reference path: weights |x|, absolute-error search, sub-scales "max then /15".
+        scale, off, L = _affine_search(xs, np.abs(xs), 3, -0.5, 0.1, 15, use_mad=True, guarded=False)
+        a, d = _max_quantize(scale, 15)
+        b, dmin = _max_quantize(off, 15)
+        byte = a | ((b << 4) & 0xFF)
+    else:
+        w = _imatrix_weights(xs, _groups(qwb, 16), _F32(1.0))
+        sw = _seqsum(w)
+        scale, off, L = _affine_search(xs, w, 3, -0.9, 0.05, 36, use_mad=False, guarded=True)
+        d, Ls = _qp_quants(scale, sw, 15)
+        dmin, Lm = _qp_quants(off, sw, 15)
+        byte = (Ls.astype(np.int64) | (Lm.astype(np.int64) << 4)) & 0xFF
+    d, dmin = _fp16r(d), _fp16r(dmin)
+    L = _requantize(xs, L, d * (byte & 15).astype(_F32), dmin * (byte >> 4).astype(_F32), 3)
+    Lb = _block_order(L).reshape(-1, 2, 4, 32)
+    qs = Lb[:, :, 0] | (Lb[:, :, 1] << 2) | (Lb[:, :, 2] << 4) | (Lb[:, :, 3] << 6)
+    return np.concatenate(
+        [byte.T.astype(np.uint8), qs.reshape(-1, 64), _f16_bytes(d), _f16_bytes(dmin)], axis=1
+    )
+
+
+def _encode_k4(
+    xb: np.ndarray,
+    qwb: np.ndarray | None,
+    nmax: int,
+    ref_search: tuple[float, float, int],
+    clamp_imatrix_scales: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What Q4_K and Q5_K share: 8 sub-blocks of 32, 6-bit scales and mins in the k4 packing.
+
+    Returns fp16-rounded ``d``, ``dmin`` [B], the 12 packed scale bytes [B, 12] and the quants
+    [32, 8, B]. The requantization reads the scales back from the packed bytes, as ggml does, so
+    that whatever a wrapped ``uint8_t`` store did to them is what the quants are fitted to.
+    """
+    xs = _groups(xb, 32)
+    if qwb is None:
+        # Reference path: weights av + |x| with av the RMS of the sub-block, sub-scales "max then /63".
+        av = np.sqrt(_seqsum(xs * xs) / _F32(32))
+        rmin, rdelta, nstep = ref_search
+        w = av + np.abs(xs)
+        scale, off, L = _affine_search(xs, w, nmax, rmin, rdelta, nstep, use_mad=False, guarded=False)
+        ls, d = _max_quantize(scale, 63, clamp=True)
+        lm, dmin = _max_quantize(off, 63, clamp=True)
+    else:
+        w = _imatrix_weights(xs, _groups(qwb, 32), _F32(2.0))
+        sw = _seqsum(w)
+        scale, off, L = _affine_search(xs, w, nmax, -0.9, 0.05, 36, use_mad=False, guarded=True)
+        d, ls = _qp_quants(scale, sw, 63)
+        dmin, lm = _qp_quants(off, sw, 63)
+        ls, lm = ls.astype(np.int64), lm.astype(np.int64)
+        if clamp_imatrix_scales:  # Q5_K clamps to 63 again; Q4_K packs Ls as they are.
+            ls, lm = np.minimum(ls, 63), np.minimum(lm, 63)
+    scales = _pack_k4(ls, lm)
+    sc, m = _unpack_k4(scales)
+    d, dmin = _fp16r(d), _fp16r(dmin)
+    L = _requantize(xs, L, d * sc, dmin * m, nmax)
+    return d, dmin, scales, L
+
+
+# ------------------------------------------------------------------------------------------------
+# Layout
+
+
+def _groups(xb: np.ndarray, group: int) -> np.ndarray:
+    """[B, 256] super-blocks as [group, 256 // group, B]: element index first, so a sequential sum
+    over a sub-block is a loop over contiguous slices, vectorised across every sub-block at once."""
+    nsub = QK_K // group
+    return np.ascontiguousarray(xb.T.reshape(nsub, group, len(xb)).transpose(1, 0, 2))
+
+
+def _block_order(L: np.ndarray) -> np.ndarray:
+    """Quants [group, nsub, B] back to uint8 [B, 256] in element order."""
+    return np.ascontiguousarray(L.transpose(2, 1, 0)).reshape(L.shape[2], QK_K).astype(np.uint8)
+
+
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    return v.astype(np.float16).view(np.uint8).reshape(len(v), 2)
+
+
+def _fp16r(v: np.ndarray) -> np.ndarray:
+    """The value a stored fp16 field reads back as (ggml requantizes against the stored scale)."""
+    return v.astype(np.float16).astype(_F32)
+
+
+def _pack_k4(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
+    """6-bit scales and mins [8, B] into the 12-byte k4 layout, with C's uint8 truncations.
+
+    The Q4_K importance path packs ``Ls`` unclamped, so a wrapped (>63) value spills into the high
+    bits exactly as ``(ls >> 4) << 6`` stored in a byte does.
+    """
+    s = np.zeros((ls.shape[1], 12), dtype=np.int64)
+    for j in range(4):
+        s[:, j] = ls[j] & 0xFF
+        s[:, j + 4] = lm[j] & 0xFF
+    for j in range(4, 8):
+        s[:, j + 4] = ((ls[j] & 15) | ((lm[j] & 15) << 4)) & 0xFF
+        s[:, j - 4] |= ((ls[j] >> 4) << 6) & 0xFF
+        s[:, j] |= ((lm[j] >> 4) << 6) & 0xFF
+    return s.astype(np.uint8)
+
+
+def _unpack_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The scales and mins [8, B] (float32) a decoder reads from k4-packed bytes [B, 12]."""
+    s = s.T.astype(np.int64)
+    sc = np.concatenate([s[0:4] & 63, (s[8:12] & 15) | ((s[0:4] >> 6) << 4)])
+    m = np.concatenate([s[4:8] & 63, (s[8:12] >> 4) | ((s[4:8] >> 6) << 4)])
+    return sc.astype(_F32), m.astype(_F32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Numerics shared by the encoders
+
+
+def _seqsum(t: np.ndarray) -> np.ndarray:
+    """Left-to-right float32 sum over axis 0, the order of ggml's loops (np.sum is pairwise)."""
+    acc = t[0].copy()
+    for i in range(1, len(t)):
+        acc += t[i]
+    return acc
+
+
+def _nearest_int(v: np.ndarray) -> np.ndarray:
+    """ggml's ``nearest_int``, bit for bit, as float32: round half to even by adding 1.5·2^23.
+
+    Equal to ``np.rint`` for |v| <= 4194303; beyond that (and for inf/NaN, which ggml meets when a
+    scale overflows on subnormal data) it returns the same garbage the C code does, which later
+    clamps and uint8 stores then turn into the bytes ggml writes.
+    """
+    bits = (v + _F32(12582912.0)).view(np.int32)
+    return ((bits & 0x007FFFFF) - 0x00400000).astype(_F32)
+
+
+def _wrap_u8(v: np.ndarray) -> np.ndarray:
+    """An integer-valued float array as C stores it in a ``uint8_t`` (modulo 256)."""
+    return np.mod(v, _F32(256))
+
+
+def _imatrix_weights(xs: np.ndarray, qws: np.ndarray, factor: np.float32) -> np.ndarray:
+    """``qw·sqrt(sigma2 + x²)`` with ``sigma2 = factor·Σx²/256`` over the whole super-block.
+
+    Σx² runs over the 256 values in element order (sub-block by sub-block).
+    """
+    sq = xs * xs
+    sum_x2 = _seqsum(sq.transpose(1, 0, 2).reshape(QK_K, -1))
+    sigma2 = factor * sum_x2 / _F32(QK_K)
+    return qws * np.sqrt(sigma2 + sq)
+
+
+def _max_quantize(v: np.ndarray, levels: int, clamp: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Reference-path sub-scale quantization: ``rint(levels/max·v)`` against ``max/levels``.
+
+    ``max`` is the largest positive value of the super-block (0 when there is none, and then all
+    quants are 0). The result is what ggml's ``uint8_t`` store keeps, optionally then clamped to
+    ``levels`` (Q4_K/Q5_K clamp after the wrap, Q2_K does not clamp). Returns (quants int64 [n, B],
+    unrounded super-scale [B]).
+    """
+    top = v.max(axis=0)
+    top = np.where(top > 0, top, _ZERO)
+    inv = np.where(top > 0, _F32(levels) / top, _ZERO)
+    q = _nearest_int(inv * v).astype(np.int64) & 0xFF
+    if clamp:
+        q = np.minimum(q, levels)
+    return q, top / _F32(levels)
+
+
+def _requantize(xs: np.ndarray, L: np.ndarray, d: np.ndarray, dm: np.ndarray, nmax: int) -> np.ndarray:
+    """Refit the quants to the stored (fp16, 4/6-bit) scale and min: ``rint((x + dm)/d)``.
+
+    A sub-block whose stored scale is 0 keeps the quants of its search, as ggml's ``continue`` does.
+    """
+    q = _nearest_int((xs + dm) / d)
+    np.clip(q, 0, nmax, out=q)
+    return np.where(d != 0, q, L)
+
+
+def _affine_search(
+    x: np.ndarray,
+    w: np.ndarray,
+    nmax: int,
+    rmin: float,
+    rdelta: float,
+    nstep: int,
+    use_mad: bool,
+    guarded: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's ``make_qkx2_quants`` / ``make_qkx3_quants``: fit x ≈ scale·L − off, L in [0, nmax].
+
+    ``x``, ``w`` are [n, *groups]; returns (scale, off, L). Each candidate ``iscale`` is tried with
+    the offset of the best fit so far, and a candidate is kept only if its weighted error is
+    strictly lower, so the steps must run in order. ``guarded`` selects qkx3's candidate rounding
+    (``v > 0 ? nearest_int(min(v, nmax)) : 0``) over qkx2's clamp-after-rounding; they differ only
+    where the best offset sits at or near the group's max and ``v`` leaves nearest_int's range.
+
+    Copying the winning candidate's quants at every step would cost more than the rest of the step
+    (a masked copy of the whole array), so only the winner's ``iscale`` and offset are remembered
+    and its quants recomputed once at the end, with the same float operations.
+    """
+    nmax_f = _F32(nmax)
+    mn = x.min(axis=0)
+    mx = x.max(axis=0)
+    mn = np.where(mn > 0, _ZERO, mn)
+    sum_w = _seqsum(w)
+    sum_x = _seqsum(w * x)
+    flat = mx == mn
+
+    v = np.empty_like(x)
+    t = np.empty_like(x)
+    La = np.empty_like(x)
+    iscale = nmax_f / (mx - mn)
+    scale = _F32(1) / iscale
+    _levels(x, iscale, mn, mn, mx, flat, nmax_f, False, v, La)
+    best = _seqsum(_weighted_error(La, scale, mn, x, w, use_mad, t))
+    win_iscale, win_shift, won = iscale, mn, np.zeros(mn.shape, dtype=bool)
+    cur_min = mn
+    for step in range(nstep + 1):
+        num = _F32(rmin) + _F32(rdelta) * _F32(step) + nmax_f
+        iscale = num / (mx - cur_min)
+        _levels(x, iscale, cur_min, mn, mx, flat, nmax_f, guarded, v, La)
+        np.multiply(w, La, out=v)  # v = w·l
+        sum_l = _seqsum(v)
+        np.multiply(v, La, out=t)
+        sum_l2 = _seqsum(t)
+        np.multiply(v, x, out=t)
+        sum_xl = _seqsum(t)
+        D = sum_w * sum_l2 - sum_l * sum_l
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+        positive = this_min > 0
+        this_min = np.where(positive, _ZERO, this_min)
+        this_scale = np.where(positive, sum_xl / sum_l2, this_scale)
+        err = _seqsum(_weighted_error(La, this_scale, this_min, x, w, use_mad, t))
+        better = (D > 0) & (err < best) & ~flat
+        best = np.where(better, err, best)
+        scale = np.where(better, this_scale, scale)
+        win_iscale = np.where(better, iscale, win_iscale)
+        win_shift = np.where(better, cur_min, win_shift)
+        won |= better
+        cur_min = np.where(better, this_min, cur_min)
+    _levels(x, win_iscale, win_shift, mn, mx, flat, nmax_f, won if guarded else False, v, La)
+    La[:, flat] = 0
+    return np.where(flat, _ZERO, scale), -cur_min, La
+
+
+def _levels(
+    x: np.ndarray,
+    iscale: np.ndarray,
+    shift: np.ndarray,
+    mn: np.ndarray,
+    mx: np.ndarray,
+    flat: np.ndarray,
+    nmax: np.float32,
+    guarded: bool | np.ndarray,
+    v: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    """Quants ``L = clamp(nearest_int(iscale·(x − shift)), 0, nmax)`` of one candidate, into ``out``.
+
+    ``np.rint`` is ggml's nearest_int only while |v| <= 4194303. |v| is bounded per group by
+    |iscale|·(largest |x − shift|), so the rare groups past that (an overflowing iscale on subnormal
+    data, or a best offset next to the max) are redone bit for bit, with qkx3's guard
+    (``v > 0 ? nearest_int(min(v, nmax)) : 0``) where ``guarded`` says so (per group or for all).
+    ``flat`` groups are skipped: ggml returns before searching them and their quants are all 0.
+    """
+    np.subtract(x, shift, out=v)
+    v *= iscale
+    np.rint(v, out=out)
+    np.clip(out, 0, nmax, out=out)
+    reach = np.abs(iscale) * np.maximum(mx - shift, shift - mn)
+    unsafe = ~(reach <= _F32(4.19e6)) & ~flat
+    if unsafe.any():
+        plain = np.clip(_nearest_int(v), 0, nmax)
+        guard = np.where(v > 0, _nearest_int(np.minimum(v, nmax)), _ZERO)
+        np.copyto(out, np.where(guarded, guard, plain), where=unsafe)
+
+
+def _weighted_error(
+    L: np.ndarray,
+    scale: np.ndarray,
+    mn: np.ndarray,
+    x: np.ndarray,
+    w: np.ndarray,
+    use_mad: bool,
+    out: np.ndarray,
+) -> np.ndarray:
+    """Per-element ``w·e((scale·L + mn) − x)`` with e = |·| or square, into ``out``."""
+    np.multiply(L, scale, out=out)
+    out += mn
+    out -= x
+    if use_mad:
+        np.abs(out, out=out)
+    else:
+        out *= out
+    out *= w
+    return out
+
+
+def _qp_quants(x: np.ndarray, w: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's ``make_qp_quants``: quantize non-negative values [n, B] to [0, nmax] without offset.
+
+    Used on the sub-block scales and mins of the importance-matrix paths, weighted by the sub-block
+    weight sums. Returns (scale [B], L [n, B]); L holds what C's ``uint8_t`` array holds, wrapped
+    where a negative value was stored, and the greedy passes read it back that way.
+    """
+    nmax_f = _F32(nmax)
+    mx = x.max(axis=0)
+    mx = np.where(mx > 0, mx, _ZERO)
+    zero = mx < _GROUP_MAX_EPS
+    iscale = nmax_f / mx
+    scale0 = _F32(1) / iscale
+    diff = x - scale0 * _wrap_u8(_nearest_int(iscale * x))
+    best = _seqsum(w * diff * diff)
+    for step in (-4, -3, -2, -1, 1, 2, 3, 4):
+        iscale_s = (_F32(0.1) * _F32(step) + nmax_f) / mx
+        scale_s = _F32(1) / iscale_s
+        diff = x - scale_s * np.minimum(_nearest_int(iscale_s * x), nmax_f)
+        mse = _seqsum(w * diff * diff)
+        better = mse < best
+        best = np.where(better, mse, best)
+        iscale = np.where(better, iscale_s, iscale)
+    l = np.minimum(_nearest_int(iscale * x), nmax_f)
+    L = _wrap_u8(l)
+    wx = w * x
+    sumlx = _seqsum(wx * l)
+    suml2 = _seqsum(w * l * l)
+    for _ in range(5):
+        changed = np.zeros(mx.shape, dtype=bool)
+        for i in range(len(x)):
+            slx = sumlx - wx[i] * L[i]
+            sl2 = suml2 - w[i] * L[i] * L[i]
+            new_l = np.minimum(_nearest_int(x[i] * sl2 / slx), nmax_f)
+            slx_new = slx + wx[i] * new_l
+            sl2_new = sl2 + w[i] * new_l * new_l
+            accept = (slx > 0) & (sl2 > 0) & (new_l != L[i])
+            accept &= slx_new * slx_new * suml2 > sumlx * sumlx * sl2_new
+            L[i] = np.where(accept, _wrap_u8(new_l), L[i])
+            sumlx = np.where(accept, slx_new, sumlx)
+            suml2 = np.where(accept, sl2_new, suml2)
+            changed |= accept
+        if not changed.any():
+            break
+    result = np.where(suml2 > 0, sumlx / suml2, _ZERO)
+    result = np.where(zero, _ZERO, result)
+    L[:, zero] = 0
+    return result, L

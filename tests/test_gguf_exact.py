@@ -1,0 +1,71 @@
+"""Our GGUF K-quant files against llama.cpp's own quantizer, tensor by tensor: same type, same bytes.
+
+llama.cpp quantizes our F32 GGUF of the same checkpoint (what `llama-quantize` does); with an
+importance matrix, both sides get the same one, computed from the bundled calibration text.
+"""
+
+import pytest
+
+ggml_oracle = pytest.importorskip("ggml_oracle")
+if not ggml_oracle.available():
+    pytest.skip("llama-cpp-python is the 'interop' extra (make test installs it)", allow_module_level=True)
+
+from gguf import GGUFReader  # noqa: E402
+
+from conftest import BUNDLED, TINY  # noqa: E402
+from formats.gguf import gguf_name  # noqa: E402
+from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer  # noqa: E402
+from calib.text import token_windows  # noqa: E402
+from quant.ggml import FILE_TYPES  # noqa: E402
+from recipes.pipeline import model_imatrix  # noqa: E402
+from recipes.variants import build_variant, gguf_variant  # noqa: E402
+
+FILE_TYPES_CHECKED = ["Q4_K_M", "Q4_K_S", "Q5_K_M", "Q6_K", "Q8_0", "Q3_K_M", "Q2_K"]
+REF = BUNDLED.parents[2] / "shared" / "models" / "ref"
+
+
+def tensors(path):
+    return {t.name: (t.tensor_type.name, bytes(t.data)) for t in GGUFReader(path).tensors}
+
+
+@pytest.fixture(scope="module", params=["tiny", "ref"])
+def model(request, tmp_path_factory):
+    path = TINY if request.param == "tiny" else REF
+    if not path.is_dir():
+        pytest.skip(f"{path} not present (shared/ models sit beside the repository)")
+    ckpt = HFCheckpoint.open(path)
+    folder = tmp_path_factory.mktemp(request.param)
+    f32 = build_variant(ckpt, gguf_variant("F32"), folder, keep_weights=False, gguf_path=folder / "f32.gguf").files[0]
+    windows = token_windows(load_tokenizer(ckpt), BUNDLED / "calib.txt", 512, 8)
+    imatrix = model_imatrix(load_causal_lm(ckpt), ckpt, windows)
+    return ckpt, folder, f32, imatrix
+
+
+@pytest.mark.parametrize("with_imatrix", [False, True], ids=["ref", "imatrix"])
+@pytest.mark.parametrize("file_type", FILE_TYPES_CHECKED)
+def test_every_tensor_matches_llama_quantize(model, file_type, with_imatrix):
+    ckpt, folder, f32, imatrix = model
+    tag = f"{file_type}-{'imatrix' if with_imatrix else 'ref'}"
+    ours = build_variant(ckpt, gguf_variant(file_type, with_imatrix), folder, keep_weights=False,
+                         imatrix=imatrix if with_imatrix else None, gguf_path=folder / f"ours-{tag}.gguf").files[0]
+    by_gguf_name = {gguf_name(n): v for n, v in imatrix.items()} if with_imatrix else None
+    theirs = folder / f"llama-{tag}.gguf"
+    ggml_oracle.llama_quantize_file(f32, theirs, FILE_TYPES[file_type].id, imatrix=by_gguf_name)
+    a, b = tensors(ours), tensors(theirs)
+    assert list(a) == list(b)  # same tensors, in llama.cpp's order
+    wrong_type = {k: (a[k][0], b[k][0]) for k in b if a[k][0] != b[k][0]}
+    assert not wrong_type
+    wrong_bytes = [k for k in b if a[k][1] != b[k][1]]
+    assert not wrong_bytes, f"{len(wrong_bytes)} of {len(b)} tensors differ, e.g. {wrong_bytes[:3]}"
+    ours.unlink()
+    theirs.unlink()
+
+
+def test_imatrix_changes_the_quantization(model):
+    ckpt, folder, _, imatrix = model
+    plain = build_variant(ckpt, gguf_variant("Q4_K_M"), folder, keep_weights=False, gguf_path=folder / "p.gguf").files[0]
+    weighted = build_variant(ckpt, gguf_variant("Q4_K_M", True), folder, keep_weights=False, imatrix=imatrix,
+                             gguf_path=folder / "w.gguf").files[0]
+    a, b = tensors(plain), tensors(weighted)
+    assert sum(a[k] != b[k] for k in a) > len(a) // 2
+    assert all(v.shape[0] == ckpt.shape(n)[-1] and (v >= 0).all() for n, v in imatrix.items())
