@@ -40,7 +40,6 @@ def main() -> None:
     from recipes.variants import build_variant, gguf_variant
 
     torch.set_num_threads(args.threads)
-    os.environ["QUANTBENCH_THREADS"] = str(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="gguf_speed_"))
     ckpt = HFCheckpoint.open(args.model)
 

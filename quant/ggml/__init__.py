@@ -8,6 +8,8 @@ and the legacy 32-blocks come from the `gguf` package, which is byte-exact for t
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from importlib import import_module
 
 import numpy as np
@@ -45,9 +47,27 @@ def encode(weight: torch.Tensor, ggml_type: str, name: str = "tensor", imatrix: 
     if ggml_type in _KQUANTS:
         module, function = _KQUANTS[ggml_type]
         rows = data.reshape(-1, data.shape[-1])
-        raw = getattr(import_module(module), function)(rows, imatrix)
+        raw = _by_row_blocks(getattr(import_module(module), function), rows, imatrix)
     elif imatrix is not None:
         raise InputError(f"{name}: an importance matrix is not supported for {ggml_type} yet")
     else:
         raw = quantize(data, GGMLQuantizationType[ggml_type])
     return GGMLTensor(ggml_type=ggml_type, raw=raw, shape=tuple(weight.shape))
+
+
+def _threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _by_row_blocks(encoder, rows: np.ndarray, imatrix: np.ndarray | None) -> np.ndarray:
+    """Run an encoder on row blocks in parallel threads (numpy releases the GIL in its loops).
+
+    Rows are encoded independently, so the bytes do not depend on the split.
+    """
+    threads = min(_threads(), max(1, rows.size // (1 << 20)))
+    if threads == 1:
+        return encoder(rows, imatrix)
+    bounds = np.linspace(0, rows.shape[0], threads + 1).astype(int)
+    with ThreadPoolExecutor(threads) as pool:
+        parts = pool.map(lambda i: encoder(rows[bounds[i] : bounds[i + 1]], imatrix), range(threads))
+        return np.concatenate(list(parts))
