@@ -19,7 +19,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
 from formats.hf import HFCheckpoint
 from quant.types import GGMLTensor, InputError
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama"}
+# HF model_type -> llama.cpp architecture (Mistral's dense models are llama to llama.cpp).
+SUPPORTED_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -27,6 +28,9 @@ _LAYER_NAMES = {
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
@@ -49,7 +53,7 @@ def gguf_name(hf_name: str) -> str | None:
         return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
     if hf_name.endswith("rotary_emb.inv_freq"):
         return None
-    raise InputError(f"tensor '{hf_name}' has no GGUF name for a llama model")
+    raise InputError(f"tensor '{hf_name}' has no GGUF name (supported layouts: Llama, Mistral, Qwen2)")
 
 
 def gguf_order(name: str) -> tuple[int, str]:
@@ -59,13 +63,13 @@ def gguf_order(name: str) -> tuple[int, str]:
 
 
 def architecture_of(ckpt: HFCheckpoint) -> str:
-    arch = ckpt.architecture
-    if arch not in SUPPORTED_ARCHITECTURES:
+    model_type = ckpt.config.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
         raise InputError(
-            f"{ckpt.path}: architecture {arch} is not supported for GGUF export "
+            f"{ckpt.path}: model_type '{model_type}' ({ckpt.architecture}) is not supported for GGUF export "
             f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
         )
-    return SUPPORTED_ARCHITECTURES[arch]
+    return SUPPORTED_ARCHITECTURES[model_type]
 
 
 class GGUFFileWriter:
@@ -98,9 +102,9 @@ class GGUFFileWriter:
             raise RuntimeError(f"tensor '{hf_name}' arrived out of plan order (expected '{self._order[self._next]}')")
         self._next += 1
         raw = payload.raw
-        if hf_name.endswith(("q_proj.weight", "k_proj.weight")) and self.arch == "llama":
+        if hf_name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")) and self.arch == "llama":
             heads = self.config["num_attention_heads"]
-            if hf_name.endswith("k_proj.weight"):
+            if ".k_proj." in hf_name:
                 heads = self.config.get("num_key_value_heads", heads)
             raw = _permute_rows(raw, heads)
         self._writer.write_tensor_data(np.ascontiguousarray(raw))
@@ -140,8 +144,11 @@ def _add_hparams(writer: GGUFWriter, arch: str, config: dict) -> None:
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise InputError(f"config.json: rope type '{rope_type}' is not supported for GGUF export yet (supported: default)")
+    if rope_type == "linear":
+        writer.add_rope_scaling_type("linear")
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+    elif rope_type not in ("default", None):
+        raise InputError(f"config.json: rope type '{rope_type}' is not supported for GGUF export yet (supported: default, linear)")
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(hidden)
     writer.add_block_count(config["num_hidden_layers"])
@@ -164,11 +171,9 @@ def _add_tokenizer(writer: GGUFWriter, ckpt: HFCheckpoint) -> None:
         raise InputError(f"{ckpt.path}: no tokenizer.json (GGUF export embeds the tokenizer)")
     tok = json.loads(path.read_text())
     model = tok.get("model", {})
-    pre = tok.get("pre_tokenizer") or {}
-    if model.get("type") != "BPE" or pre.get("type") != "ByteLevel" or pre.get("add_prefix_space"):
-        raise InputError(
-            f"{path}: only GPT-2 style byte-level BPE tokenizers are supported for GGUF export so far"
-        )
+    if model.get("type") != "BPE":
+        raise InputError(f"{path}: only byte-level BPE tokenizers are supported for GGUF export so far (this is {model.get('type')})")
+    pre_name = _pre_tokenizer_name(tok.get("pre_tokenizer") or {}, path)
     vocab: dict[str, int] = dict(model["vocab"])
     added = {t["id"]: t for t in tok.get("added_tokens", [])}
     for t in added.values():
@@ -184,7 +189,7 @@ def _add_tokenizer(writer: GGUFWriter, ckpt: HFCheckpoint) -> None:
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
 
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
+    writer.add_tokenizer_pre(pre_name)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
@@ -207,6 +212,33 @@ def _add_tokenizer(writer: GGUFWriter, ckpt: HFCheckpoint) -> None:
         template = (ckpt.path / "chat_template.jinja").read_text()
     if isinstance(template, str):
         writer.add_chat_template(template)
+
+
+# Pre-tokenizer split patterns of the common byte-level BPE families -> llama.cpp's preset names.
+_PRE_PATTERNS = {
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "llama-bpe",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen2",
+}
+
+
+def _pre_tokenizer_name(pre: dict, path: Path) -> str:
+    """llama.cpp's name for the way this tokenizer splits text before BPE.
+
+    llama.cpp does not read the split rules from the file; it knows them by preset name, and a wrong
+    name tokenizes some texts differently. So only recognised splitters are accepted.
+    """
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"):
+        return "gpt-2"
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    kinds = [p.get("type") for p in steps]
+    if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
+        pattern = steps[0].get("pattern", {}).get("Regex")
+        if pattern in _PRE_PATTERNS:
+            return _PRE_PATTERNS[pattern]
+    raise InputError(
+        f"{path}: this pre-tokenizer is not one llama.cpp knows by name "
+        f"(supported: GPT-2 byte-level, Llama-3 and Qwen2 split patterns)"
+    )
 
 
 def _post_processor_adds(tok: dict, which: str, tok_cfg: dict) -> bool:

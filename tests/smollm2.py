@@ -47,6 +47,7 @@ def smollm2_checkpoint() -> Path:
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     config.pop("quantization_config", None)
+    config["architectures"] = ["LlamaForCausalLM"]
     config["dtype"] = "bfloat16"
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tok.save_pretrained(tmp)

@@ -19,6 +19,7 @@ from calib.text import token_windows  # noqa: E402
 from quant.ggml import FILE_TYPES  # noqa: E402
 from recipes.pipeline import model_imatrix  # noqa: E402
 from recipes.variants import build_variant, gguf_variant  # noqa: E402
+from smollm2 import smollm2_checkpoint  # noqa: E402
 
 FILE_TYPES_CHECKED = ["Q4_K_M", "Q4_K_S", "Q5_K_M", "Q6_K", "Q8_0", "Q3_K_M", "Q2_K"]
 REF = BUNDLED.parents[2] / "shared" / "models" / "ref"
@@ -28,9 +29,13 @@ def tensors(path):
     return {t.name: (t.tensor_type.name, bytes(t.data)) for t in GGUFReader(path).tensors}
 
 
-@pytest.fixture(scope="module", params=["tiny", "ref"])
+@pytest.fixture(scope="module", params=["tiny", "ref", "smollm2"])
 def model(request, tmp_path_factory):
-    path = TINY if request.param == "tiny" else REF
+    """(checkpoint, work folder, our F32 GGUF for llama.cpp to quantize, importance matrix)."""
+    if request.param == "smollm2":
+        path = smollm2_checkpoint()  # real pretrained weights; hidden 576 exercises the row fallbacks
+    else:
+        path = TINY if request.param == "tiny" else REF
     if not path.is_dir():
         pytest.skip(f"{path} not present (shared/ models sit beside the repository)")
     ckpt = HFCheckpoint.open(path)
