@@ -31,6 +31,7 @@ _LAYER_NAMES = {
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.bias": "attn_output.bias",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
@@ -70,6 +71,34 @@ def architecture_of(ckpt: HFCheckpoint) -> str:
             f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
         )
     return SUPPORTED_ARCHITECTURES[model_type]
+
+
+def check_shapes(ckpt: HFCheckpoint) -> None:
+    """Refuse a checkpoint whose tensors disagree with its config.json: llama.cpp would reject the
+    file at load time, long after the conversion, with a less helpful message."""
+    c = ckpt.config
+    hidden, heads = c["hidden_size"], c["num_attention_heads"]
+    head_dim = c.get("head_dim") or hidden // heads
+    q, kv = heads * head_dim, c.get("num_key_value_heads", heads) * head_dim
+    ffn, vocab = c["intermediate_size"], c["vocab_size"]
+    expected = {
+        "model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+        "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (q, hidden), "self_attn.k_proj.weight": (kv, hidden),
+        "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, q),
+        "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+        "self_attn.o_proj.bias": (hidden,),
+        "mlp.gate_proj.weight": (ffn, hidden), "mlp.up_proj.weight": (ffn, hidden), "mlp.down_proj.weight": (hidden, ffn),
+    }
+    for name in ckpt.names:
+        m = _LAYER_RE.match(name)
+        key = m.group(2) if m else name
+        if m and int(m.group(1)) >= c["num_hidden_layers"]:
+            raise InputError(f"{ckpt.path}: tensor '{name}' is beyond num_hidden_layers={c['num_hidden_layers']} in config.json")
+        if key in expected and ckpt.shape(name) != expected[key]:
+            raise InputError(
+                f"{ckpt.path}: tensor '{name}' has shape {list(ckpt.shape(name))} but config.json implies {list(expected[key])}"
+            )
 
 
 class GGUFFileWriter:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from rich.progress import Progress
 
-from formats.gguf import GGUFFileWriter, architecture_of, gguf_name, gguf_order
+from formats.gguf import GGUFFileWriter, architecture_of, check_shapes, gguf_name, gguf_order
 from formats.hf import DenseSafetensorsWriter, HFCheckpoint, is_linear_weight
 from formats.modelfile import write_modelfile
 from quant.ggml import FILE_TYPES, encode, tensor_types
@@ -61,6 +61,7 @@ def plan_variant(ckpt: HFCheckpoint, variant: Variant, imatrix: bool = False) ->
         return Plan(names)
     if "gguf" in variant.exports:
         architecture_of(ckpt)
+        check_shapes(ckpt)
         names = [n for n in names if gguf_name(n) is not None]
         names.sort(key=lambda n: gguf_order(gguf_name(n)))
     return Plan(names, tensor_types(weights.type, [(n, ckpt.shape(n)) for n in names], ckpt.config, imatrix))

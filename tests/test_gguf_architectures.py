@@ -1,0 +1,123 @@
+"""GGUF export beyond the bundled Llama: Mistral, Qwen2 (q/k/v biases), the Llama-3 pre-tokenizer,
+and the refusals for what llama.cpp could not load. Models are small random ones made here, with
+the bundled tokenizer; llama.cpp must compute the same next-token distribution as transformers."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import EVAL_TEXT, TINY
+from formats.gguf import _PRE_PATTERNS
+from formats.hf import HFCheckpoint
+from quant.types import InputError
+from recipes.variants import build_variant, gguf_variant
+
+SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=8192, max_position_embeddings=512, rms_norm_eps=1e-5,
+             bos_token_id=0, eos_token_id=0, tie_word_embeddings=False, initializer_range=0.2)
+
+
+def make_model(folder, model_type: str, **extra):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **{**SMALL, **extra})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)  # make the biases matter (they start at zero)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(TINY / name, folder / name)
+    return folder
+
+
+def llama_vs_transformers(folder, tmp_path):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is the 'interop' extra")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt = HFCheckpoint.open(folder)
+    path = build_variant(ckpt, gguf_variant("F32"), tmp_path, keep_weights=False, gguf_path=tmp_path / "m.gguf").files[0]
+    ids = AutoTokenizer.from_pretrained(folder)(EVAL_TEXT.read_text()[:4000], add_special_tokens=False)["input_ids"][:128]
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=2,
+                          type_k=0, type_v=0)  # F32 KV cache: compare the model, not f16 cache rounding
+    llm.eval(ids)
+    ours = torch.log_softmax(torch.tensor(np.asarray(llm.scores[: len(ids)]), dtype=torch.float64), -1)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+    return ours, ref
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    ("mistral", {}),
+    ("qwen2", {}),
+    ("llama", {"attention_bias": True}),  # llama with q/k biases: they are permuted like the weights
+])
+def test_llama_cpp_computes_what_transformers_computes(tmp_path, model_type, extra):
+    folder = make_model(tmp_path / model_type, model_type, **extra)
+    ours, ref = llama_vs_transformers(folder, tmp_path)
+    diff = (ours - ref).abs()
+    print(f"{model_type}: mean |dlogp| {diff.mean():.2e}, max {diff.max():.2e}")
+    # A wrong permutation, bias or rope setting gives errors of whole nats.
+    assert diff.mean() < 1e-4 and diff.max() < 2e-3
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.98
+    assert ref.exp().max() > 0.05  # the random model is not near-uniform: the check has teeth
+
+
+def test_llama3_pre_tokenizer_tokenizes_like_transformers(tmp_path):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is the 'interop' extra")
+    from transformers import AutoTokenizer
+
+    folder = make_model(tmp_path / "l3", "llama")
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    llama3 = next(p for p, name in _PRE_PATTERNS.items() if name == "llama-bpe")
+    tok["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": llama3}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+    ]}
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    ckpt = HFCheckpoint.open(folder)
+    path = build_variant(ckpt, gguf_variant("Q8_0"), tmp_path, keep_weights=False, gguf_path=tmp_path / "m.gguf").files[0]
+    text = EVAL_TEXT.read_text() + "\n1234567 numbers, 3.14159 and   spaces\t\ttabs\r\n"
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    hf_ids = AutoTokenizer.from_pretrained(folder)(text, add_special_tokens=False)["input_ids"]
+    assert llm.tokenize(text.encode(), add_bos=False, special=False) == hf_ids
+    gpt2_ids = AutoTokenizer.from_pretrained(TINY)(text, add_special_tokens=False)["input_ids"]
+    assert hf_ids != gpt2_ids  # the two splitters really differ on this text
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    folder = tmp_path / "gpt2"
+    shutil.copytree(TINY, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="model_type 'gpt2'.*not supported.*llama, mistral, qwen2"):
+        build_variant(HFCheckpoint.open(folder), gguf_variant("Q8_0"), tmp_path)
+    assert not list(tmp_path.glob("**/*.gguf*"))
+
+
+def test_shape_that_disagrees_with_config_is_refused(tmp_path):
+    folder = tmp_path / "m"
+    shutil.copytree(TINY, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["intermediate_size"] = 1024
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match=r"mlp.down_proj.weight' has shape \[256, 768\] but config.json implies \[256, 1024\]"):
+        build_variant(HFCheckpoint.open(folder), gguf_variant("Q4_K_M"), tmp_path)
+    assert not list(tmp_path.glob("**/*.gguf*"))
+
+
+def test_unknown_pre_tokenizer_is_refused(tmp_path):
+    folder = make_model(tmp_path / "m", "llama")
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    tok["pre_tokenizer"] = {"type": "Whitespace"}
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(InputError, match="pre-tokenizer is not one llama.cpp knows"):
+        build_variant(HFCheckpoint.open(folder), gguf_variant("Q8_0"), tmp_path)
+    assert not list(tmp_path.glob("**/*.gguf*"))
