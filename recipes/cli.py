@@ -49,13 +49,12 @@ def export(
     model: Path = typer.Argument(..., help="Hugging Face model folder (config.json, *.safetensors, tokenizer)."),
     gguf: str = typer.Option(..., "--gguf", help="GGUF file type: F32 F16 BF16 Q8_0 Q6_K Q5_K_M Q5_K_S Q4_K_M Q4_K_S Q3_K_L Q3_K_M Q3_K_S Q2_K Q5_1 Q5_0 Q4_1 Q4_0."),
     out: Path = typer.Option(..., "--out", "-o", help="Output .gguf file (an Ollama Modelfile is written beside it)."),
-    imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Calibration text: compute an importance matrix from it and use it."),
+    imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix: a llama.cpp imatrix file (.gguf or .dat), or a calibration text to compute one from."),
 ) -> None:
     """Convert a Hugging Face checkpoint to a GGUF file in one step, as llama.cpp's converter and quantizer would."""
-    from calib.text import token_windows
-    from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
+    from formats.hf import HFCheckpoint
     from quant.ggml import FILE_TYPES
-    from recipes.pipeline import model_imatrix, progress_bar
+    from recipes.pipeline import progress_bar
     from recipes.variants import build_variant, gguf_variant, plan_variant
 
     file_type = gguf.upper()
@@ -65,14 +64,64 @@ def export(
     variant = gguf_variant(file_type, imatrix is not None)
     plan_variant(ckpt, variant, imatrix is not None)
     with progress_bar(console) as progress:
-        importance = None
-        if imatrix is not None:
-            windows = token_windows(load_tokenizer(ckpt), imatrix, 512, 128)
-            calibrating = progress.add_task("importance matrix", total=len(windows))
-            importance = model_imatrix(load_causal_lm(ckpt), ckpt, windows, lambda: progress.advance(calibrating))
-            progress.remove_task(calibrating)
+        importance = _load_or_compute_imatrix(ckpt, imatrix, progress) if imatrix is not None else None
         built = build_variant(ckpt, variant, out.parent, progress, imatrix=importance, keep_weights=False, gguf_path=out)
     stdout.print(f"{out}: {file_type}, {out.stat().st_size / 2**20:.2f} MiB, {built.bits_per_weight:.3f} bits per weight")
+
+
+@app.command("imatrix")
+def imatrix_command(
+    model: Path = typer.Argument(..., help="Hugging Face model folder."),
+    text: Path = typer.Option(..., "--text", help="Calibration text (UTF-8)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output imatrix file, llama.cpp's GGUF format (llama-quantize --imatrix reads it)."),
+    windows: int = typer.Option(128, "--windows", min=1, help="At most this many 512-token windows of the text."),
+) -> None:
+    """Compute an importance matrix (mean squared activation per input column of every Linear layer)."""
+    from formats.gguf import gguf_name
+    from formats.hf import HFCheckpoint
+    from formats.imatrix import write_imatrix
+    from recipes.pipeline import progress_bar
+
+    ckpt = HFCheckpoint.open(model)
+    with progress_bar(console) as progress:
+        means, tokens = _compute_imatrix(ckpt, text, progress, windows)
+    write_imatrix(out, {gguf_name(n): v for n, v in means.items()}, tokens, [str(text)], 512)
+    stdout.print(f"{out}: {len(means)} matrices from {tokens} tokens of {text}")
+
+
+def _compute_imatrix(ckpt, text: Path, progress, max_windows: int = 128):
+    from calib.text import token_windows
+    from formats.hf import load_causal_lm, load_tokenizer
+    from recipes.pipeline import model_imatrix
+
+    windows = token_windows(load_tokenizer(ckpt), text, 512, max_windows)
+    task = progress.add_task("importance matrix", total=len(windows))
+    means = model_imatrix(load_causal_lm(ckpt), ckpt, windows, lambda: progress.advance(task))
+    progress.remove_task(task)
+    return means, windows.numel()
+
+
+def _load_or_compute_imatrix(ckpt, path: Path, progress):
+    """An imatrix file (GGUF or legacy .dat, by GGUF tensor names) or one computed from a text."""
+    from formats.gguf import gguf_name
+    from formats.imatrix import read_imatrix
+
+    if not path.is_file():
+        raise InputError(f"{path}: --imatrix file not found")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head == b"GGUF" or path.suffix == ".dat":
+        by_gguf = read_imatrix(path)
+        by_hf = {gguf_name(n): n for n in ckpt.names if gguf_name(n)}
+        unknown = sorted(set(by_gguf) - set(by_hf))
+        if unknown:
+            raise InputError(f"{path}: imatrix entry '{unknown[0]}' matches no tensor of {ckpt.path}")
+        for name, values in by_gguf.items():
+            if values.shape[0] != ckpt.shape(by_hf[name])[-1]:
+                raise InputError(f"{path}: imatrix entry '{name}' has {values.shape[0]} values, "
+                                 f"the tensor has {ckpt.shape(by_hf[name])[-1]} columns")
+        return {by_hf[n]: v for n, v in by_gguf.items()}
+    return _compute_imatrix(ckpt, path, progress)[0]
 
 
 @app.command()

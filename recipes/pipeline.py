@@ -75,10 +75,13 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
 
 def model_imatrix(model: torch.nn.Module, ckpt: HFCheckpoint, windows: torch.Tensor,
                   on_window: Callable[[], None] | None = None) -> Imatrix:
-    """The importance matrix keyed by checkpoint tensor names (a tied output head is the embedding)."""
+    """The importance matrix keyed by checkpoint tensor names.
+
+    The output head is left out, as ``llama-imatrix`` does by default, so a file quantized with our
+    matrix and one quantized with llama.cpp's treat the head alike.
+    """
     found = importance_matrix(model, windows, on_window)
-    if "lm_head.weight" in found and "lm_head.weight" not in ckpt.names:
-        found["model.embed_tokens.weight"] = found.pop("lm_head.weight")
+    found.pop("lm_head.weight", None)
     return found
 
 
