@@ -16,6 +16,7 @@ EVAL_TEXT = BUNDLED / "eval.txt"
 SMALL_RECIPE = {
     "model": str(TINY),
     "evaluation": {"text": str(EVAL_TEXT), "window": 512, "max_windows": 2},
+    "calibration": {"text": str(BUNDLED / "calib.txt"), "max_windows": 2},
     "variants": [
         {"name": "int8", "weights": {"method": "rtn", "bits": 8}, "exports": ["safetensors"]},
         {"name": "int4-g64-asym",
@@ -23,6 +24,7 @@ SMALL_RECIPE = {
          "exports": ["safetensors"]},
         {"name": "f16", "weights": {"method": "gguf", "type": "F16"}, "exports": ["gguf"]},
         {"name": "q8_0", "weights": {"method": "gguf", "type": "Q8_0"}, "exports": ["gguf"]},
+        {"name": "q4_k_m-imatrix", "weights": {"method": "gguf", "type": "Q4_K_M", "imatrix": True}, "exports": ["gguf"]},
     ],
 }
 

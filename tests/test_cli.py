@@ -104,6 +104,13 @@ def test_gguf_export_of_an_rtn_variant_is_refused(monkeypatch, capsys, tmp_path)
     run_bad(monkeypatch, capsys, tmp_path, recipe, "gguf export needs")
 
 
+def test_imatrix_without_calibration_text(monkeypatch, capsys, tmp_path):
+    recipe = recipe_with(tmp_path)
+    recipe.pop("calibration")
+    recipe["variants"] = [{"name": "k", "weights": {"method": "gguf", "type": "Q4_K_M", "imatrix": True}}]
+    run_bad(monkeypatch, capsys, tmp_path, recipe, "variant 'k' uses an importance matrix", "calibration")
+
+
 def test_duplicate_variant_names(monkeypatch, capsys, tmp_path):
     recipe = recipe_with(tmp_path)
     recipe["variants"] = recipe["variants"] * 2
