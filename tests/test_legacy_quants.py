@@ -44,10 +44,12 @@ def _heavy(rng: np.random.Generator) -> np.ndarray:
 
 
 def _zero_and_constant(rng: np.random.Generator) -> np.ndarray:
-    """Whole rows of 0, −0, one positive or one negative value; rows with zeroed and −0 blocks.
+    """Whole rows of 0, −0, one positive or one negative value; rows with zeroed and −0 blocks,
+    and rows of zeros alternating in sign (starting with +0 or with −0).
 
-    A flat Q4_1/Q5_1 block stores its minimum as the offset, and an all-zero Q4_0/Q5_0 block
-    stores scale 0, so the sign of a zero reaches the fp16 bytes.
+    A flat Q4_1/Q5_1 block stores its minimum as the offset (ggml keeps the first of equal
+    values, ``np.min`` may not), and an all-zero Q4_0/Q5_0 block stores scale 0, so the sign of a
+    zero reaches the fp16 bytes.
     """
     x = _gauss(rng)
     x[0:4] = 0
@@ -56,6 +58,9 @@ def _zero_and_constant(rng: np.random.Generator) -> np.ndarray:
     x[10:14] = -0.37
     x[14:18].reshape(4, -1, 32)[:, ::2] = 0
     x[18:22].reshape(4, -1, 32)[:, 1::2, 3:20] = -0.0
+    x[22:24] = 0
+    x[22, 1::2] = -0.0
+    x[23, 0::2] = -0.0
     return x
 
 
@@ -165,24 +170,40 @@ def test_best_offset_at_the_max_matches_llama_cpp(qtype: str) -> None:
     _assert_same_blocks(ENCODERS[qtype](x, qw), ggml_quantize(x, qtype, qw), qtype)
 
 
+def _signed_zero_blocks(x: np.ndarray, qtype: str) -> tuple[np.ndarray, int]:
+    """The blocks where gguf's reference quantizer may store a zero of the other sign than ggml,
+    and the byte (the high byte of an fp16 field) where that shows.
+
+    Q4_0/Q5_0: ggml's scale of an all-zero block is ``0.0f/-8`` (−0); gguf divides the block's
+    first element instead, which gives +0 when that is −0.0. Q4_1/Q5_1: ggml stores the first of
+    the block's minimal values as the offset, gguf ``np.min``'s choice among +0 and −0.
+    """
+    blocks = x.reshape(-1, 32)
+    zero = blocks == 0
+    if qtype in ("Q4_0", "Q5_0"):
+        return zero.all(axis=1) & np.signbit(blocks[:, 0]), 1
+    negative_zero = zero & np.signbit(blocks)
+    mixed = negative_zero.any(axis=1) & (zero & ~negative_zero).any(axis=1)
+    return (blocks.min(axis=1) == 0) & mixed, 3
+
+
 @needs_oracle
 @pytest.mark.parametrize("qtype", list(ENCODERS))
-@pytest.mark.parametrize("case", ["gaussian", "heavy_tailed", "zero_and_constant", "bf16_exact", "tiny", "real_weights"])
+@pytest.mark.parametrize(
+    "case", ["gaussian", "heavy_tailed", "zero_and_constant", "bf16_exact", "tiny", "real_weights"]
+)
 def test_gguf_quantize_is_llama_cpp_without_imatrix(case: str, qtype: str) -> None:
     """Without an imatrix ggml runs the reference row quantizers, which gguf reproduces: we rely on it.
 
-    One exception, in Q4_0/Q5_0 only: ggml's scale of an all-zero block is ``0.0f/-8``, i.e. −0
-    (fp16 0x8000), but gguf divides the block's first element, which gives +0 when that is −0.0.
-    Both decode to zeros; only the sign byte of d differs, and only in those blocks.
+    The one exception is the sign of a stored zero in blocks of signed zeros (see
+    ``_signed_zero_blocks``); both decode to the same values.
     """
     x = _data(case)
     ours = quantize(x, GGMLQuantizationType[qtype]).reshape(-1, BLOCK_BYTES[qtype])
     ggml = ggml_quantize(x, qtype).reshape(-1, BLOCK_BYTES[qtype])
-    blocks = x.reshape(-1, 32)
-    signed_zero = (blocks == 0).all(axis=1) & np.signbit(blocks[:, 0])
-    if qtype in ("Q4_0", "Q5_0"):
-        assert (ggml[signed_zero, 1] == 0x80).all() and (ours[signed_zero, 1] == 0x00).all()
-        ours[signed_zero, 1] = 0x80
+    blocks, byte = _signed_zero_blocks(x, qtype)
+    assert np.isin(ours[blocks, byte] ^ ggml[blocks, byte], (0x00, 0x80)).all()
+    ours[blocks, byte] = ggml[blocks, byte]
     _assert_same_blocks(ours, ggml, qtype)
 
 

@@ -30,6 +30,13 @@ _KQUANTS = {
     "Q3_K": ("quant.ggml.kquant_symmetric", "quantize_q3_k"),
     "Q6_K": ("quant.ggml.kquant_symmetric", "quantize_q6_k"),
 }
+# The legacy 32-blocks: gguf.quants is byte-exact without an importance matrix, ours with one.
+_LEGACY_WITH_IMATRIX = {
+    "Q4_0": ("quant.ggml.legacy", "quantize_q4_0"),
+    "Q4_1": ("quant.ggml.legacy", "quantize_q4_1"),
+    "Q5_0": ("quant.ggml.legacy", "quantize_q5_0"),
+    "Q5_1": ("quant.ggml.legacy", "quantize_q5_1"),
+}
 _IGNORE_IMATRIX = ("F32", "F16", "BF16", "Q8_0")  # llama.cpp ignores the importance matrix for these
 
 
@@ -44,12 +51,11 @@ def encode(weight: torch.Tensor, ggml_type: str, name: str = "tensor", imatrix: 
         raise InputError(f"{name}: weights contain NaN or Inf")
     if ggml_type in _IGNORE_IMATRIX:
         imatrix = None
-    if ggml_type in _KQUANTS:
-        module, function = _KQUANTS[ggml_type]
+    encoder = _KQUANTS.get(ggml_type) or (_LEGACY_WITH_IMATRIX.get(ggml_type) if imatrix is not None else None)
+    if encoder:
+        module, function = encoder
         rows = data.reshape(-1, data.shape[-1])
         raw = _by_row_blocks(getattr(import_module(module), function), rows, imatrix)
-    elif imatrix is not None:
-        raise InputError(f"{name}: an importance matrix is not supported for {ggml_type} yet")
     else:
         raw = quantize(data, GGMLQuantizationType[ggml_type])
     return GGMLTensor(ggml_type=ggml_type, raw=raw, shape=tuple(weight.shape))
