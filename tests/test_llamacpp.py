@@ -87,3 +87,25 @@ def test_gguf_generates_text(small_run):
     llm = load(out / "q8_0" / "tiny-Q8_0.gguf")
     text = llm.create_completion("Captain Wentworth", max_tokens=16, temperature=0.0)["choices"][0]["text"]
     assert len(text.split()) >= 3
+
+
+def test_our_q4_k_m_has_the_perplexity_of_llama_cpps_own(tmp_path, windows):
+    """Same bytes, same numbers: our one-step Q4_K_M against llama.cpp's F32 -> quantize path."""
+    from ggml_oracle import llama_quantize_file
+
+    from formats.hf import HFCheckpoint
+    from quant.ggml import FILE_TYPES
+    from recipes.variants import build_variant, gguf_variant
+
+    ckpt = HFCheckpoint.open(TINY)
+    ours = build_variant(ckpt, gguf_variant("Q4_K_M"), tmp_path, keep_weights=False, gguf_path=tmp_path / "ours.gguf").files[0]
+    f32 = build_variant(ckpt, gguf_variant("F32"), tmp_path, keep_weights=False, gguf_path=tmp_path / "f32.gguf").files[0]
+    llama_quantize_file(f32, tmp_path / "theirs.gguf", FILE_TYPES["Q4_K_M"].id)
+    sample = windows[:16]
+    ours_llm, theirs_llm = load(ours), load(tmp_path / "theirs.gguf")
+    ppl_ours = perplexity(lambda w: llama_logprobs(ours_llm, w), sample)
+    ppl_theirs = perplexity(lambda w: llama_logprobs(theirs_llm, w), sample)
+    print(f"Q4_K_M perplexity in llama.cpp, {len(sample)} windows: ours {ppl_ours:.4f}, llama.cpp's {ppl_theirs:.4f}")
+    assert ppl_ours == ppl_theirs
+    text = ours_llm.create_completion("Anne Elliot", max_tokens=12, temperature=0.0)["choices"][0]["text"]
+    assert len(text.split()) >= 3
