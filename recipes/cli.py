@@ -54,6 +54,7 @@ def export(
     """Convert a Hugging Face checkpoint to a GGUF file in one step, as llama.cpp's converter and quantizer would."""
     from formats.hf import HFCheckpoint
     from quant.ggml import FILE_TYPES
+    from recipes.importance import load_or_compute_imatrix
     from recipes.pipeline import progress_bar
     from recipes.variants import build_variant, gguf_variant, plan_variant
 
@@ -64,7 +65,7 @@ def export(
     variant = gguf_variant(file_type, imatrix is not None)
     plan_variant(ckpt, variant, imatrix is not None)
     with progress_bar(console) as progress:
-        importance = _load_or_compute_imatrix(ckpt, imatrix, progress) if imatrix is not None else None
+        importance = load_or_compute_imatrix(ckpt, imatrix, progress) if imatrix is not None else None
         built = build_variant(ckpt, variant, out.parent, progress, imatrix=importance, keep_weights=False, gguf_path=out)
     stdout.print(f"{out}: {file_type}, {out.stat().st_size / 2**20:.2f} MiB, {built.bits_per_weight:.3f} bits per weight")
 
@@ -80,48 +81,14 @@ def imatrix_command(
     from formats.gguf import gguf_name
     from formats.hf import HFCheckpoint
     from formats.imatrix import write_imatrix
+    from recipes.importance import compute_imatrix
     from recipes.pipeline import progress_bar
 
     ckpt = HFCheckpoint.open(model)
     with progress_bar(console) as progress:
-        means, tokens = _compute_imatrix(ckpt, text, progress, windows)
+        means, tokens = compute_imatrix(ckpt, text, progress, windows)
     write_imatrix(out, {gguf_name(n): v for n, v in means.items()}, tokens, [str(text)], 512)
     stdout.print(f"{out}: {len(means)} matrices from {tokens} tokens of {text}")
-
-
-def _compute_imatrix(ckpt, text: Path, progress, max_windows: int = 128):
-    from calib.text import token_windows
-    from formats.hf import load_causal_lm, load_tokenizer
-    from recipes.pipeline import model_imatrix
-
-    windows = token_windows(load_tokenizer(ckpt), text, 512, max_windows)
-    task = progress.add_task("importance matrix", total=len(windows))
-    means = model_imatrix(load_causal_lm(ckpt), ckpt, windows, lambda: progress.advance(task))
-    progress.remove_task(task)
-    return means, windows.numel()
-
-
-def _load_or_compute_imatrix(ckpt, path: Path, progress):
-    """An imatrix file (GGUF or legacy .dat, by GGUF tensor names) or one computed from a text."""
-    from formats.gguf import gguf_name
-    from formats.imatrix import read_imatrix
-
-    if not path.is_file():
-        raise InputError(f"{path}: --imatrix file not found")
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head == b"GGUF" or path.suffix == ".dat":
-        by_gguf = read_imatrix(path)
-        by_hf = {gguf_name(n): n for n in ckpt.names if gguf_name(n)}
-        unknown = sorted(set(by_gguf) - set(by_hf))
-        if unknown:
-            raise InputError(f"{path}: imatrix entry '{unknown[0]}' matches no tensor of {ckpt.path}")
-        for name, values in by_gguf.items():
-            if values.shape[0] != ckpt.shape(by_hf[name])[-1]:
-                raise InputError(f"{path}: imatrix entry '{name}' has {values.shape[0]} values, "
-                                 f"the tensor has {ckpt.shape(by_hf[name])[-1]} columns")
-        return {by_hf[n]: v for n, v in by_gguf.items()}
-    return _compute_imatrix(ckpt, path, progress)[0]
 
 
 @app.command()

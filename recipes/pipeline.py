@@ -16,13 +16,13 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from calib.imatrix import importance_matrix
 from calib.text import token_windows
 from evalsuite.metrics import causal_lm_logprobs, score
 from evalsuite.report import Report, VariantRow, write_report
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
+from recipes.importance import model_imatrix
 from recipes.schema import Calibration, Recipe, RTNWeights, Variant
-from recipes.variants import Imatrix, build_variant, plan_variant
+from recipes.variants import build_variant, plan_variant
 
 
 def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
@@ -71,18 +71,6 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
                     window=windows.shape[1], rows=rows)
     write_report(report, out_dir)
     return report
-
-
-def model_imatrix(model: torch.nn.Module, ckpt: HFCheckpoint, windows: torch.Tensor,
-                  on_window: Callable[[], None] | None = None) -> Imatrix:
-    """The importance matrix keyed by checkpoint tensor names.
-
-    The output head is left out, as ``llama-imatrix`` does by default, so a file quantized with our
-    matrix and one quantized with llama.cpp's treat the head alike.
-    """
-    found = importance_matrix(model, windows, on_window)
-    found.pop("lm_head.weight", None)
-    return found
 
 
 def _calibration_windows(tokenizer, calibration: Calibration) -> torch.Tensor:

@@ -17,7 +17,7 @@ from formats.gguf import gguf_name  # noqa: E402
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer  # noqa: E402
 from calib.text import token_windows  # noqa: E402
 from quant.ggml import FILE_TYPES  # noqa: E402
-from recipes.pipeline import model_imatrix  # noqa: E402
+from recipes.importance import model_imatrix  # noqa: E402
 from recipes.variants import build_variant, gguf_variant  # noqa: E402
 from smollm2 import smollm2_checkpoint  # noqa: E402
 

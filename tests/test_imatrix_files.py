@@ -17,7 +17,7 @@ from test_cli import assert_user_error, quantize
 def tiny_imatrix(tmp_path_factory):
     from calib.text import token_windows
     from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
-    from recipes.pipeline import model_imatrix
+    from recipes.importance import model_imatrix
 
     ckpt = HFCheckpoint.open(TINY)
     windows = token_windows(load_tokenizer(ckpt), BUNDLED / "calib.txt", 512, 4)

@@ -1,0 +1,59 @@
+"""Importance matrices for a checkpoint: computed on calibration text, or read from llama.cpp files,
+always keyed by the checkpoint's own tensor names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+from rich.progress import Progress
+
+from calib.imatrix import importance_matrix
+from calib.text import token_windows
+from formats.gguf import gguf_name
+from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
+from formats.imatrix import read_imatrix
+from quant.types import InputError
+from recipes.variants import Imatrix
+
+
+def model_imatrix(model: torch.nn.Module, ckpt: HFCheckpoint, windows: torch.Tensor,
+                  on_window: Callable[[], None] | None = None) -> Imatrix:
+    """The importance matrix keyed by checkpoint tensor names.
+
+    The output head is left out, as ``llama-imatrix`` does by default, so a file quantized with our
+    matrix and one quantized with llama.cpp's treat the head alike.
+    """
+    found = importance_matrix(model, windows, on_window)
+    found.pop("lm_head.weight", None)
+    return found
+
+
+def compute_imatrix(ckpt: HFCheckpoint, text: Path, progress: Progress, max_windows: int = 128) -> tuple[Imatrix, int]:
+    """An importance matrix from up to ``max_windows`` 512-token windows of a text, and its token count."""
+    windows = token_windows(load_tokenizer(ckpt), text, 512, max_windows)
+    task = progress.add_task("importance matrix", total=len(windows))
+    means = model_imatrix(load_causal_lm(ckpt), ckpt, windows, lambda: progress.advance(task))
+    progress.remove_task(task)
+    return means, windows.numel()
+
+
+def load_or_compute_imatrix(ckpt: HFCheckpoint, path: Path, progress: Progress) -> Imatrix:
+    """An imatrix file (GGUF or legacy .dat, by GGUF tensor names) or one computed from a text."""
+    if not path.is_file():
+        raise InputError(f"{path}: --imatrix file not found")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head == b"GGUF" or path.suffix == ".dat":
+        by_gguf = read_imatrix(path)
+        by_hf = {gguf_name(n): n for n in ckpt.names if gguf_name(n)}
+        unknown = sorted(set(by_gguf) - set(by_hf))
+        if unknown:
+            raise InputError(f"{path}: imatrix entry '{unknown[0]}' matches no tensor of {ckpt.path}")
+        for name, values in by_gguf.items():
+            if values.shape[0] != ckpt.shape(by_hf[name])[-1]:
+                raise InputError(f"{path}: imatrix entry '{name}' has {values.shape[0]} values, "
+                                 f"the tensor has {ckpt.shape(by_hf[name])[-1]} columns")
+        return {by_hf[n]: v for n, v in by_gguf.items()}
+    return compute_imatrix(ckpt, path, progress)[0]
