@@ -68,6 +68,17 @@ def _subnormal(rng: np.random.Generator) -> np.ndarray:
     return rng.standard_normal((ROWS, COLS)) * 1e-39
 
 
+def _mixed_magnitudes(rng: np.random.Generator) -> np.ndarray:
+    """Normal, tiny (1e-39) and subnormal (1e-42) sub-blocks in the same rows, and offset ones: the
+    search's chunk-wide range bound must give way to its per-group checks only where they matter."""
+    x = _gauss(rng)
+    groups = x.reshape(ROWS, -1, 16)
+    groups[:, ::3] *= 1e-37
+    groups[:, 1::5] = rng.standard_normal(groups[:, 1::5].shape) * 1e-42
+    groups[:, 2::7] += 0.5
+    return x
+
+
 def _sparse(rng: np.random.Generator) -> np.ndarray:
     x = _gauss(rng)
     x[rng.random(x.shape) < 0.9] = 0
@@ -88,6 +99,7 @@ CASES = {
     "fp16_exact": _fp16_exact,
     "tiny": _tiny,
     "subnormal": _subnormal,
+    "mixed_magnitudes": _mixed_magnitudes,
     "sparse": _sparse,
     "real_weights": _real_weights,
 }
