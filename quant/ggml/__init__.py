@@ -61,6 +61,10 @@ def encode(weight: torch.Tensor, ggml_type: str, name: str = "tensor", imatrix: 
     return GGMLTensor(ggml_type=ggml_type, raw=raw, shape=tuple(weight.shape))
 
 
+# Below about 512 super-blocks per thread, numpy's per-call overhead and GIL hand-overs eat the gain.
+_MIN_VALUES_PER_THREAD = 512 * 256
+
+
 def _threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -70,7 +74,7 @@ def _by_row_blocks(encoder, rows: np.ndarray, imatrix: np.ndarray | None) -> np.
 
     Rows are encoded independently, so the bytes do not depend on the split.
     """
-    threads = min(_threads(), max(1, rows.size // (1 << 20)))
+    threads = min(_threads(), max(1, rows.size // _MIN_VALUES_PER_THREAD))
     if threads == 1:
         return encoder(rows, imatrix)
     bounds = np.linspace(0, rows.shape[0], threads + 1).astype(int)

@@ -6,12 +6,15 @@ get. These types store x ≈ d·sc_j·q − dmin·m_j: every sub-block gets its 
 ggml's weighted search, and those are quantized again against one fp16 pair per 256-element
 super-block. The rules that make this exact (docs/gguf-kquants.md §1) are followed throughout: every
 intermediate is float32 (constants are wrapped in ``np.float32``), each sum ggml computes left to
-right is accumulated element by element, rounding is half-to-even (``np.rint``), and every store
-into a C ``uint8_t`` wraps modulo 256 where ggml's does.
+right is accumulated in that order, rounding is half-to-even (``np.rint``), and every store into a
+C ``uint8_t`` wraps modulo 256 where ggml's does.
 
-Work is vectorised across all sub-blocks of a chunk of super-blocks: Python loops only over the
-element index inside a sub-block and over search steps. Chunks bound the memory (and keep the
-working arrays near the CPU caches); blocks are independent, so the bytes do not depend on chunking.
+Work is vectorised across all sub-blocks of a chunk of super-blocks, laid out element-major
+([element, sub-block]) so that a sequential sum over a sub-block is one ``np.add.reduce`` over the
+outer axis; Python loops only over search steps. Nearly all the time goes into the weighted search,
+whose cost is the number of numpy passes over the chunk per step plus a fixed cost per call, so the
+search keeps both few (see ``_affine_search``). Blocks are independent: the bytes do not depend on
+chunking.
 """
 
 from __future__ import annotations
@@ -23,11 +26,16 @@ import numpy as np
 QK_K = 256
 _F32 = np.float32
 _ZERO = _F32(0.0)
-# Super-blocks per chunk (256K values, ~1 MB per float32 work array): large enough that the many
-# per-group operations on [sub-blocks] arrays cost little next to the full-array passes, small
-# enough that the dozen work arrays stay near the CPU caches. Measured fastest from 512 to 1024.
-_CHUNK_BLOCKS = 1024
+# Super-blocks per chunk (128K values, 512 KB per float32 work array). Smaller chunks keep the
+# passes in L2 but pay the per-call cost of the per-group operations more often, and in the
+# row-block threads of quant.ggml every numpy call hands the GIL over, which favours fewer, larger
+# calls. Measured on 2 cores: 512 fastest single-threaded and as fast as 1024-2048 in two threads.
+_CHUNK_BLOCKS = 512
 _GROUP_MAX_EPS = _F32(1e-15)
+# |v| up to which np.rint is ggml's nearest_int (4194303), less a margin for the rounding of the
+# bounds that are checked against it.
+_REACH_LIMIT = 4.19e6
+_MIN_GAP = 1e-30  # a group range below which iscale = num/range might overflow float32
 
 Encoder = Callable[[np.ndarray, np.ndarray | None], np.ndarray]
 
@@ -223,12 +231,22 @@ def _unpack_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # Numerics shared by the encoders
 
 
-def _seqsum(t: np.ndarray) -> np.ndarray:
-    """Left-to-right float32 sum over axis 0, the order of ggml's loops (np.sum is pairwise)."""
-    acc = t[0].copy()
-    for i in range(1, len(t)):
-        acc += t[i]
-    return acc
+def _seqsum(t: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Left-to-right float32 sum over axis 0, the order of ggml's loops (np.sum is pairwise).
+
+    ``np.add.reduce`` over the outer axis of a C-contiguous array adds whole rows into the
+    accumulator one after another, so every group's sum is sequential, in one call. numpy drops a
+    length-1 axis, though, and would then reduce along memory, pairwise: one group per row (a chunk
+    of a single super-block) takes ``accumulate``, sequential by definition.
+    """
+    t = np.ascontiguousarray(t)
+    if t.size > len(t):
+        return np.add.reduce(t, axis=0, out=out)
+    total = np.add.accumulate(t, axis=0)[-1]
+    if out is None:
+        return total
+    out[...] = total
+    return out
 
 
 def _nearest_int(v: np.ndarray) -> np.ndarray:
@@ -303,86 +321,145 @@ def _affine_search(
     (``v > 0 ? nearest_int(min(v, nmax)) : 0``) over qkx2's clamp-after-rounding; they differ only
     where the best offset sits at or near the group's max and ``v`` leaves nearest_int's range.
 
-    Copying the winning candidate's quants at every step would cost more than the rest of the step
-    (a masked copy of the whole array), so only the winner's ``iscale`` and offset are remembered
-    and its quants recomputed once at the end, with the same float operations.
+    A step is sixteen passes over [n, groups] arrays (three work arrays reused throughout) and
+    about twenty operations on per-group vectors, which cost as much as the passes on small chunks,
+    so they are kept few:
+
+    - Only a small share of the groups improves at each step. Each group's best fit so far (error,
+      scale, iscale, offset) is one column of ``fit`` and the candidate's one column of ``cand``, so
+      the groups that improve are updated with one indexed copy (masked copies such as
+      ``np.where`` would cost several times more).
+    - The range check of ``_levels`` runs per group only when a bound over the whole chunk
+      (``_ReachBound``) fails, which real weights almost never make it do.
+    - Flat groups (max == min, which ggml returns from before searching) get an infinite gap,
+      hence ``iscale`` 0: their candidates are all-zero quants with D = 0, which never win and
+      bring no NaN into the range check. Their outputs are set as ggml's at the end.
+
+    Copying the winner's quants would cost a whole pass, so only its ``iscale`` and offset are
+    kept and its quants recomputed once at the end, with the same float operations.
     """
+    shape = x.shape
+    x = x.reshape(len(x), -1)
+    w = w.reshape(len(w), -1)
     nmax_f = _F32(nmax)
     mn = x.min(axis=0)
     mx = x.max(axis=0)
-    mn = np.where(mn > 0, _ZERO, mn)
+    mn[mn > 0] = 0
     sum_w = _seqsum(w)
     sum_x = _seqsum(w * x)
     flat = mx == mn
+    gap = mx - mn  # mx − offset, the divisor of every iscale
+    gap[flat] = np.inf
+    bound = _ReachBound(float(np.min(gap)))
 
-    v = np.empty_like(x)
+    L = np.empty_like(x)
+    wl = np.empty_like(x)
     t = np.empty_like(x)
-    La = np.empty_like(x)
-    iscale = nmax_f / (mx - mn)
-    scale = _F32(1) / iscale
-    _levels(x, iscale, mn, mn, mx, flat, nmax_f, False, v, La)
-    best = _seqsum(_weighted_error(La, scale, mn, x, w, use_mad, t))
-    win_iscale, win_shift, won = iscale, mn, np.zeros(mn.shape, dtype=bool)
-    cur_min = mn
+    fit = np.empty((4, len(mn)), dtype=_F32)
+    best, scale, win_iscale, win_shift = fit
+    cand = np.empty_like(fit)
+    err, this_scale, iscale, cur_min = cand
+    np.divide(nmax_f, gap, out=win_iscale)
+    np.divide(_F32(1), win_iscale, out=scale)
+    win_shift[:] = mn
+    _levels(x, win_iscale, mn, nmax_f, False, L, bound.spans(nmax_f, mn, mn, mx, flat))
+    _weighted_error(L, scale, mn, x, w, use_mad, t, out=best)
+    won = np.zeros(len(mn), dtype=bool)
+    cur_min[:] = mn
     for step in range(nstep + 1):
         num = _F32(rmin) + _F32(rdelta) * _F32(step) + nmax_f
-        iscale = num / (mx - cur_min)
-        _levels(x, iscale, cur_min, mn, mx, flat, nmax_f, guarded, v, La)
-        np.multiply(w, La, out=v)  # v = w·l
-        sum_l = _seqsum(v)
-        np.multiply(v, La, out=t)
-        sum_l2 = _seqsum(t)
-        np.multiply(v, x, out=t)
-        sum_xl = _seqsum(t)
+        np.divide(num, gap, out=iscale)
+        _levels(x, iscale, cur_min, nmax_f, guarded, L, bound.spans(num, cur_min, mn, mx, flat))
+        np.multiply(w, L, out=wl)
+        sum_l = _seqsum(wl)
+        sum_l2 = _seqsum(np.multiply(wl, L, out=t))
+        wl *= x
+        sum_xl = _seqsum(wl)
         D = sum_w * sum_l2 - sum_l * sum_l
-        this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+        np.divide(sum_w * sum_xl - sum_x * sum_l, D, out=this_scale)
         this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
-        positive = this_min > 0
-        this_min = np.where(positive, _ZERO, this_min)
-        this_scale = np.where(positive, sum_xl / sum_l2, this_scale)
-        err = _seqsum(_weighted_error(La, this_scale, this_min, x, w, use_mad, t))
-        better = (D > 0) & (err < best) & ~flat
-        best = np.where(better, err, best)
-        scale = np.where(better, this_scale, scale)
-        win_iscale = np.where(better, iscale, win_iscale)
-        win_shift = np.where(better, cur_min, win_shift)
-        won |= better
-        cur_min = np.where(better, this_min, cur_min)
-    _levels(x, win_iscale, win_shift, mn, mx, flat, nmax_f, won if guarded else False, v, La)
-    La[:, flat] = 0
-    return np.where(flat, _ZERO, scale), -cur_min, La
+        positive = np.flatnonzero(this_min > 0)
+        if positive.size:
+            this_min[positive] = 0
+            this_scale[positive] = sum_xl[positive] / sum_l2[positive]
+        _weighted_error(L, this_scale, this_min, x, w, use_mad, t, out=err)
+        better = np.flatnonzero((D > 0) & (err < best))
+        if better.size:
+            fit[:, better] = cand[:, better]
+            won[better] = True
+            new_min = cur_min[better] = this_min[better]
+            new_gap = gap[better] = mx[better] - new_min
+            bound.update(_span(new_min, mn[better], mx[better], False), new_gap)
+    _levels(x, win_iscale, win_shift, nmax_f, won if guarded else False, L, _span(win_shift, mn, mx, flat))
+    scale[flat] = 0
+    return scale.reshape(shape[1:]), -cur_min.reshape(shape[1:]), L.reshape(shape)
+
+
+class _ReachBound:
+    """A bound on |iscale·(x − offset)| over a whole chunk, so that ``_levels`` checks each group's
+    range only when it might be needed.
+
+    With iscale = num/gap and span the largest |x − offset| of a group, |v| <= num·span/|gap|
+    (to a few float32 roundings, which the margin of ``_REACH_LIMIT`` covers) as long as num/gap
+    does not overflow, which a gap of at least ``_MIN_GAP`` rules out. ``ratio`` is the largest
+    span/|gap| of any offset a group has had, 1 at the start (offset = min, span = gap); it only
+    grows, so it stays an upper bound, and a NaN from an overflowing span makes every check run.
+    """
+
+    def __init__(self, min_gap: float) -> None:
+        self.ratio = 1.0
+        self.min_gap = min_gap
+
+    def update(self, spans: np.ndarray, gaps: np.ndarray) -> None:
+        """Account for the groups that moved their offset (their new spans and gaps)."""
+        gaps = np.abs(gaps)
+        self.ratio = float(np.max(spans / gaps, initial=self.ratio))
+        self.min_gap = min(self.min_gap, float(np.min(gaps)))
+
+    def spans(self, num: np.float32, shift: np.ndarray, mn: np.ndarray, mx: np.ndarray, flat: np.ndarray) -> np.ndarray | None:
+        """None when every group is in range for ``num``, else each group's span for ``_levels``."""
+        if float(num) * self.ratio <= _REACH_LIMIT and self.min_gap >= _MIN_GAP:
+            return None
+        return _span(shift, mn, mx, flat)
+
+
+def _span(shift: np.ndarray, mn: np.ndarray, mx: np.ndarray, flat: np.ndarray | bool) -> np.ndarray:
+    """Largest |x − shift| of each group (0 for flat groups, whose ``iscale`` is 0)."""
+    span = np.maximum(mx - shift, shift - mn)
+    span[flat] = 0
+    return span
 
 
 def _levels(
     x: np.ndarray,
     iscale: np.ndarray,
     shift: np.ndarray,
-    mn: np.ndarray,
-    mx: np.ndarray,
-    flat: np.ndarray,
     nmax: np.float32,
     guarded: bool | np.ndarray,
-    v: np.ndarray,
     out: np.ndarray,
+    span: np.ndarray | None = None,
 ) -> None:
     """Quants ``L = clamp(nearest_int(iscale·(x − shift)), 0, nmax)`` of one candidate, into ``out``.
 
-    ``np.rint`` is ggml's nearest_int only while |v| <= 4194303. |v| is bounded per group by
-    |iscale|·(largest |x − shift|), so the rare groups past that (an overflowing iscale on subnormal
-    data, or a best offset next to the max) are redone bit for bit, with qkx3's guard
-    (``v > 0 ? nearest_int(min(v, nmax)) : 0``) where ``guarded`` says so (per group or for all).
-    ``flat`` groups are skipped: ggml returns before searching them and their quants are all 0.
+    Clamping before rounding gives the same integers for finite values and saves a pass over the
+    rounded ones. ``np.rint`` is ggml's nearest_int only while |v| <= 4194303. Given ``span``, the
+    largest |x − shift| of each group, the groups where |iscale|·span may pass that (an
+    overflowing iscale on subnormal data, or a best offset next to the max) are redone bit for bit,
+    with qkx3's guard (``v > 0 ? nearest_int(min(v, nmax)) : 0``) where ``guarded`` says so (per
+    group or for all). Without ``span`` the caller has shown that no group gets there.
     """
-    np.subtract(x, shift, out=v)
-    v *= iscale
-    np.rint(v, out=out)
-    np.clip(out, 0, nmax, out=out)
-    reach = np.abs(iscale) * np.maximum(mx - shift, shift - mn)
-    unsafe = ~(reach <= _F32(4.19e6)) & ~flat
+    np.subtract(x, shift, out=out)
+    out *= iscale
+    np.clip(out, _ZERO, nmax, out=out)
+    np.rint(out, out=out)
+    if span is None:
+        return
+    unsafe = ~(np.abs(iscale) * span <= _REACH_LIMIT)
     if unsafe.any():
+        v = (x[:, unsafe] - shift[unsafe]) * iscale[unsafe]
         plain = np.clip(_nearest_int(v), 0, nmax)
         guard = np.where(v > 0, _nearest_int(np.minimum(v, nmax)), _ZERO)
-        np.copyto(out, np.where(guarded, guard, plain), where=unsafe)
+        out[:, unsafe] = np.where(guarded if np.ndim(guarded) == 0 else guarded[unsafe], guard, plain)
 
 
 def _weighted_error(
@@ -392,18 +469,19 @@ def _weighted_error(
     x: np.ndarray,
     w: np.ndarray,
     use_mad: bool,
-    out: np.ndarray,
+    work: np.ndarray,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Per-element ``w·e((scale·L + mn) − x)`` with e = |·| or square, into ``out``."""
-    np.multiply(L, scale, out=out)
-    out += mn
-    out -= x
+    """Per-group sequential sum of ``w·e((scale·L + mn) − x)``, e = |·| or square (``work`` is scratch)."""
+    np.multiply(L, scale, out=work)
+    work += mn
+    work -= x
     if use_mad:
-        np.abs(out, out=out)
+        np.abs(work, out=work)
     else:
-        out *= out
-    out *= w
-    return out
+        np.square(work, out=work)
+    work *= w
+    return _seqsum(work, out)
 
 
 def _qp_quants(x: np.ndarray, w: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
