@@ -123,13 +123,15 @@ def build_variant(
 
 
 def _quantize(ckpt: HFCheckpoint, variant: Variant, plan: Plan, name: str, imatrix: Imatrix | None) -> TensorPayload:
+    """One tensor's payload. Both quantizers refuse NaN/Inf themselves (naming the tensor), so the
+    explicit scan is only needed for tensors passed through unchanged."""
     tensor = ckpt.tensor(name)
-    if not torch.isfinite(tensor).all():
-        raise InputError(f"{ckpt.path}: tensor '{name}' contains NaN or Inf")
     weights = variant.weights
     if isinstance(weights, RTNWeights):
         if is_linear_weight(name, tuple(tensor.shape)):
             return quantize_rtn(tensor, weights.spec, name)
+        if not torch.isfinite(tensor).all():
+            raise InputError(f"{ckpt.path}: tensor '{name}' contains NaN or Inf")
         return tensor
     importance = imatrix.get(name) if imatrix else None
     return encode(tensor, plan.ggml_types[name], name, importance)
