@@ -2,7 +2,9 @@
 
 Makes a synthetic Llama-shaped checkpoint (random bf16 weights, about 2 GB on disk, 1.03B
 parameters: hidden 2048, FFN 5632, 20 layers, vocab 8192 with the bundled tokenizer), then runs
-`quantize export` on it in a child process and prints the child's peak RSS. Baseline for scale: the
+`quantize export` on it in a child process and prints its peak RSS: the converting process's peak
+plus the largest peak of its encoder worker processes (an upper bound of their peak together, which
+counts the pages a forked worker shares with its parent twice). Baseline for scale: the
 checkpoint's own size, which a whole-model load would at least need. Target: below 1 GB.
 
     python bench/gguf_memory.py [--type Q4_K_M] [--keep DIR]
@@ -59,6 +61,16 @@ def make_checkpoint(dest: Path) -> int:
     return sum(int(torch.Size(s).numel()) for _, s in shapes)
 
 
+# Runs the CLI, then prints [own peak RSS, largest worker peak RSS] in KiB; atexit hooks run after
+# concurrent.futures has joined its worker processes, so their usage is counted by then.
+_EXPORT_AND_REPORT_PEAKS = """
+import atexit, json, resource
+atexit.register(lambda: print(json.dumps([resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)])))
+from recipes.cli import main
+main()
+"""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--type", default="Q4_K_M")
@@ -75,10 +87,12 @@ def main() -> None:
     size = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     out = work / f"synthetic-{args.type}.gguf"
     start = time.perf_counter()
-    cmd = [sys.executable, "-c", "from recipes.cli import main; main()", "export", str(model), "--gguf", args.type, "-o", str(out)]
-    subprocess.run(cmd, check=True, cwd=REPO)
+    cmd = [sys.executable, "-c", _EXPORT_AND_REPORT_PEAKS, "export", str(model), "--gguf", args.type, "-o", str(out)]
+    done = subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.PIPE, text=True)
     seconds = time.perf_counter() - start
-    peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    own_kb, workers_kb = json.loads(done.stdout.strip().splitlines()[-1])
+    peak_mb = (own_kb + workers_kb) / 1024
+    print(f"converting process {own_kb / 1024:.0f} MiB + encoder workers {workers_kb / 1024:.0f} MiB")
     print(f"checkpoint on disk (baseline: a whole-model load needs at least this): {size / 2**20:.0f} MiB")
     print(f"quantize export -> {args.type}: {seconds:.0f} s, peak RSS {peak_mb:.0f} MiB "
           f"({peak_mb / (size / 2**20):.2f} of the checkpoint size); target < 1024 MiB: "

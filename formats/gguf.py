@@ -17,6 +17,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
 
 from formats.hf import HFCheckpoint
+from formats.sentencepiece_model import read_sentencepiece
 from quant.types import GGMLTensor, InputError
 
 # HF model_type -> llama.cpp architecture (Mistral's dense models are llama to llama.cpp).
@@ -194,37 +195,19 @@ def _add_hparams(writer: GGUFWriter, arch: str, config: dict) -> None:
 
 
 def _add_tokenizer(writer: GGUFWriter, ckpt: HFCheckpoint) -> None:
-    """Embed a byte-level BPE tokenizer from tokenizer.json the way llama.cpp's converter does."""
-    path = ckpt.path / "tokenizer.json"
-    if not path.is_file():
-        raise InputError(f"{ckpt.path}: no tokenizer.json (GGUF export embeds the tokenizer)")
-    tok = json.loads(path.read_text())
-    model = tok.get("model", {})
-    if model.get("type") != "BPE":
-        raise InputError(f"{path}: only byte-level BPE tokenizers are supported for GGUF export so far (this is {model.get('type')})")
-    pre_name = _pre_tokenizer_name(tok.get("pre_tokenizer") or {}, path)
-    vocab: dict[str, int] = dict(model["vocab"])
-    added = {t["id"]: t for t in tok.get("added_tokens", [])}
-    for t in added.values():
-        vocab[t["content"]] = t["id"]
-    n_vocab = max(ckpt.config["vocab_size"], max(vocab.values()) + 1)
-    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
-    types = [int(TokenType.UNUSED)] * n_vocab
-    for text, i in vocab.items():
-        tokens[i] = text
-        types[i] = int(TokenType.NORMAL)
-    for i, t in added.items():
-        types[i] = int(TokenType.CONTROL if t.get("special") else TokenType.USER_DEFINED)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre_name)
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-
+    """Embed the tokenizer as llama.cpp's converter does: SentencePiece when the checkpoint has a
+    tokenizer.model (Llama-2, Mistral v0.1), else the byte-level BPE of tokenizer.json."""
+    json_path = ckpt.path / "tokenizer.json"
+    tok = json.loads(json_path.read_text()) if json_path.is_file() else {}
     cfg_path = ckpt.path / "tokenizer_config.json"
     tok_cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    if (ckpt.path / "tokenizer.model").is_file():
+        vocab = _add_sentencepiece_vocab(writer, ckpt, tok, tok_cfg)
+    elif tok:
+        vocab = _add_bpe_vocab(writer, ckpt, tok, json_path)
+    else:
+        raise InputError(f"{ckpt.path}: no tokenizer.json or tokenizer.model (GGUF export embeds the tokenizer)")
+
     for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
                      ("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id)):
         token = tok_cfg.get(f"{key}_token")
@@ -241,6 +224,76 @@ def _add_tokenizer(writer: GGUFWriter, ckpt: HFCheckpoint) -> None:
         template = (ckpt.path / "chat_template.jinja").read_text()
     if isinstance(template, str):
         writer.add_chat_template(template)
+
+
+def _add_bpe_vocab(writer: GGUFWriter, ckpt: HFCheckpoint, tok: dict, path: Path) -> dict[str, int]:
+    """A byte-level BPE vocabulary with its merges and pre-tokenizer preset; returns text -> id."""
+    model = tok.get("model", {})
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        raise InputError(
+            f"{path}: only byte-level BPE tokenizers (or a SentencePiece tokenizer.model) are supported "
+            f"for GGUF export (this is {model.get('type')}{' with byte fallback' if model.get('byte_fallback') else ''})"
+        )
+    pre_name = _pre_tokenizer_name(tok.get("pre_tokenizer") or {}, path)
+    vocab: dict[str, int] = dict(model["vocab"])
+    added = {t["id"]: t for t in tok.get("added_tokens", [])}
+    for t in added.values():
+        vocab[t["content"]] = t["id"]
+    n_vocab = max(ckpt.config["vocab_size"], max(vocab.values()) + 1)
+    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
+    types = [int(TokenType.UNUSED)] * n_vocab
+    for text, i in vocab.items():
+        tokens[i] = text
+        types[i] = int(TokenType.NORMAL)
+    for i, t in added.items():
+        types[i] = int(TokenType.CONTROL if t.get("special") else TokenType.USER_DEFINED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre_name)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    return vocab
+
+
+def _add_sentencepiece_vocab(writer: GGUFWriter, ckpt: HFCheckpoint, tok: dict, tok_cfg: dict) -> dict[str, int]:
+    """A SentencePiece vocabulary: pieces with the scores llama.cpp merges by and their kinds, then
+    the tokens the HF tokenizer adds on top (tokenizer.json, tokenizer_config.json,
+    added_tokens.json); returns text -> id.
+
+    Unlike llama.cpp's converter, user-defined pieces stay user-defined: SentencePiece and
+    transformers always cut them out whole, and llama.cpp does so only for that type.
+    """
+    path = ckpt.path / "tokenizer.model"
+    spm = read_sentencepiece(path)
+    if spm.model_type != "bpe":
+        raise InputError(f"{path}: SentencePiece {spm.model_type} models are not supported for GGUF export (BPE only)")
+    n_vocab = ckpt.config["vocab_size"]
+    if len(spm.pieces) > n_vocab:
+        raise InputError(f"{path}: {len(spm.pieces)} pieces but config.json has vocab_size {n_vocab}")
+    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
+    scores = [-10000.0] * n_vocab
+    types = [int(TokenType.UNUSED)] * n_vocab
+    for i, (piece, score, kind) in enumerate(spm.pieces):
+        tokens[i], scores[i], types[i] = piece, score, kind  # SentencePiece's kinds are GGUF's TokenType values
+    added_path = ckpt.path / "added_tokens.json"
+    added = {i: {"content": text} for text, i in (json.loads(added_path.read_text()) if added_path.is_file() else {}).items()}
+    added.update({int(i): t for i, t in tok_cfg.get("added_tokens_decoder", {}).items()})
+    added.update({t["id"]: t for t in tok.get("added_tokens", [])})
+    for i, t in sorted(added.items()):
+        if i >= n_vocab:
+            raise InputError(f"{ckpt.path}: added token {t['content']!r} has id {i}, beyond vocab_size {n_vocab}")
+        special = bool(t.get("special"))
+        tokens[i] = t["content"] if special else t["content"].replace("\u2581", " ")
+        scores[i] = -1000.0
+        types[i] = int(TokenType.CONTROL if special else TokenType.USER_DEFINED)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_add_space_prefix(spm.add_dummy_prefix)
+    return {text: i for i, text in enumerate(tokens)}
 
 
 # Pre-tokenizer split patterns of the common byte-level BPE families -> llama.cpp's preset names.

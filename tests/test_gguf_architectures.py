@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import EVAL_TEXT, TINY
+from conftest import BUNDLED, EVAL_TEXT, TINY
 from formats.gguf import _PRE_PATTERNS
 from formats.hf import HFCheckpoint
 from quant.types import InputError
@@ -20,7 +20,7 @@ SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_at
              bos_token_id=0, eos_token_id=0, tie_word_embeddings=False, initializer_range=0.2)
 
 
-def make_model(folder, model_type: str, **extra):
+def make_model(folder, model_type: str, tokenizer_from=TINY, **extra):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -31,8 +31,8 @@ def make_model(folder, model_type: str, **extra):
             if name.endswith("bias"):
                 p.normal_(0, 0.5)  # make the biases matter (they start at zero)
     model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(TINY / name, folder / name)
+    for name in ("tokenizer.json", "tokenizer_config.json") if tokenizer_from else ():
+        shutil.copyfile(tokenizer_from / name, folder / name)
     return folder
 
 
@@ -119,5 +119,78 @@ def test_unknown_pre_tokenizer_is_refused(tmp_path):
     tok["pre_tokenizer"] = {"type": "Whitespace"}
     (folder / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(InputError, match="pre-tokenizer is not one llama.cpp knows"):
+        build_variant(HFCheckpoint.open(folder), gguf_variant("Q8_0"), tmp_path)
+    assert not list(tmp_path.glob("**/*.gguf*"))
+
+
+TRICKY_TEXT = "\n1234567 numbers, 3.14159 and   spaces\t\ttabs\r\n  leading, café, naïve, 東京, emoji 🙂.\n\n"
+
+
+@pytest.fixture(scope="module")
+def llama2_folder(tmp_path_factory):
+    """A Llama-2-style checkpoint: a SentencePiece BPE tokenizer.model trained here with Llama-2's
+    settings (byte fallback, split digits, no normalization), the tokenizer.json transformers makes
+    from it, and a small random model over its vocabulary."""
+    spm = pytest.importorskip("sentencepiece", reason="sentencepiece is in the 'dev' extra")
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("llama2")
+    spm.SentencePieceTrainer.train(
+        input=str(BUNDLED / "calib.txt"), model_prefix=str(folder / "tokenizer"), vocab_size=3000, model_type="bpe",
+        byte_fallback=True, split_digits=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        add_dummy_prefix=True, allow_whitespace_only_pieces=True, character_coverage=0.9999, user_defined_symbols=["<sep>"],
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2,
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "legacy": False,
+        "add_bos_token": True, "add_eos_token": False,
+    }))
+    AutoTokenizer.from_pretrained(folder).save_pretrained(folder)  # writes tokenizer.json
+    return make_model(folder, "llama", tokenizer_from=None, vocab_size=3000, bos_token_id=1, eos_token_id=2)
+
+
+def test_sentencepiece_model_is_read_as_the_sentencepiece_library_reads_it(llama2_folder):
+    import sentencepiece as spm
+
+    from formats.sentencepiece_model import read_sentencepiece
+
+    ours = read_sentencepiece(llama2_folder / "tokenizer.model")
+    lib = spm.SentencePieceProcessor(model_file=str(llama2_folder / "tokenizer.model"))
+    assert len(ours.pieces) == lib.vocab_size() == 3000
+    assert [(p, s) for p, s, _ in ours.pieces] == [(lib.IdToPiece(i), lib.GetScore(i)) for i in range(3000)]
+    kinds = [(lib.IsUnknown(i), lib.IsControl(i), lib.IsByte(i)) for i in range(3000)]
+    assert [(k == 2, k == 3, k == 6) for _, _, k in ours.pieces] == kinds
+    assert ours.model_type == "bpe" and ours.add_dummy_prefix
+
+
+def test_sentencepiece_tokenizer_tokenizes_like_transformers(llama2_folder, tmp_path):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is the 'interop' extra")
+    from transformers import AutoTokenizer
+
+    path = build_variant(HFCheckpoint.open(llama2_folder), gguf_variant("Q8_0"), tmp_path, keep_weights=False,
+                         gguf_path=tmp_path / "m.gguf").files[0]
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    hf = AutoTokenizer.from_pretrained(llama2_folder)
+    text = EVAL_TEXT.read_text() + TRICKY_TEXT
+    hf_ids = hf(text)["input_ids"]
+    assert hf_ids[0] == 1  # <s>: Llama-2 tokenizers add it, and so must the GGUF's metadata
+    assert llm.tokenize(text.encode(), add_bos=llm.metadata["tokenizer.ggml.add_bos_token"] == "true", special=True) == hf_ids
+    assert hf.convert_tokens_to_ids("<0xF0>") in hf_ids  # the emoji took the byte fallback
+    assert llm.detokenize(hf_ids[1:]).decode() == " " + text  # bytes reassembled; the prefix space kept
+    # A user-defined piece is cut out whole, as SentencePiece does. (Text right after one is not
+    # compared: llama.cpp prepends a space there, as transformers' legacy Llama tokenizer did.)
+    assert llm.tokenize(b"<sep>", add_bos=False, special=True) == hf("<sep>", add_special_tokens=False)["input_ids"] == [3]
+
+
+def test_llama_cpp_computes_what_transformers_computes_with_sentencepiece(llama2_folder, tmp_path):
+    ours, ref = llama_vs_transformers(llama2_folder, tmp_path)
+    assert (ours - ref).abs().mean() < 1e-4
+
+
+def test_corrupt_sentencepiece_model_is_refused(tmp_path):
+    folder = tmp_path / "m"
+    shutil.copytree(TINY, folder)
+    (folder / "tokenizer.model").write_bytes(b"\x0a\xff\xff\xff\x0f" + b"x" * 10)
+    with pytest.raises(InputError, match=r"tokenizer.model: not a SentencePiece model"):
         build_variant(HFCheckpoint.open(folder), gguf_variant("Q8_0"), tmp_path)
     assert not list(tmp_path.glob("**/*.gguf*"))

@@ -48,3 +48,19 @@ def test_non_finite_weights_are_refused_by_name():
     w[0, 0] = float("inf")
     with pytest.raises(InputError, match="blk.3: weights contain NaN or Inf"):
         encode(w, "Q8_0", "blk.3")
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_K", "Q6_K", "Q5_0"])
+def test_tensors_split_across_worker_processes_encode_as_one_block(ggml_type, monkeypatch):
+    """Large tensors are encoded in row blocks by worker processes; the bytes must not depend on
+    where the rows are cut (odd row count, so the blocks differ in size)."""
+    import quant.ggml as ggml
+    from quant.ggml import kquant_affine, kquant_symmetric, legacy
+
+    encoder = {"Q4_K": kquant_affine.quantize_q4_k, "Q6_K": kquant_symmetric.quantize_q6_k, "Q5_0": legacy.quantize_q5_0}[ggml_type]
+    w = torch.randn(301, 512) * 0.02
+    imatrix = np.random.default_rng(0).random(512).astype(np.float32) + 0.1
+    monkeypatch.setattr(ggml, "_cores", lambda: 3)
+    monkeypatch.setattr(ggml, "_MIN_VALUES_PER_WORKER", 512 * 50)  # three parts of ~100 rows
+    split = encode(w, ggml_type, imatrix=imatrix).raw
+    assert split.tobytes() == encoder(w.numpy(), imatrix).tobytes()

@@ -8,8 +8,11 @@ and the legacy 32-blocks come from the `gguf` package, which is byte-exact for t
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
 import os
-from concurrent.futures import ThreadPoolExecutor
+import sys
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from importlib import import_module
 
 import numpy as np
@@ -61,23 +64,49 @@ def encode(weight: torch.Tensor, ggml_type: str, name: str = "tensor", imatrix: 
     return GGMLTensor(ggml_type=ggml_type, raw=raw, shape=tuple(weight.shape))
 
 
-# Below about 512 super-blocks per thread, numpy's per-call overhead and GIL hand-overs eat the gain.
-_MIN_VALUES_PER_THREAD = 512 * 256
+# Below this many super-blocks per worker, the cost of shipping the rows to a worker process
+# outweighs the gain.
+_MIN_VALUES_PER_WORKER = 128 * 256
 
 
-def _threads() -> int:
+def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _by_row_blocks(encoder, rows: np.ndarray, imatrix: np.ndarray | None) -> np.ndarray:
-    """Run an encoder on row blocks in parallel threads (numpy releases the GIL in its loops).
+    """Run an encoder on row blocks in parallel, this process taking the first block.
 
     Rows are encoded independently, so the bytes do not depend on the split.
     """
-    threads = min(_threads(), max(1, rows.size // _MIN_VALUES_PER_THREAD))
-    if threads == 1:
+    parts = min(_cores(), max(1, rows.size // _MIN_VALUES_PER_WORKER))
+    if parts == 1:
         return encoder(rows, imatrix)
-    bounds = np.linspace(0, rows.shape[0], threads + 1).astype(int)
-    with ThreadPoolExecutor(threads) as pool:
-        parts = pool.map(lambda i: encoder(rows[bounds[i] : bounds[i + 1]], imatrix), range(threads))
-        return np.concatenate(list(parts))
+    bounds = np.linspace(0, rows.shape[0], parts + 1).astype(int)
+    pool = _worker_pool()
+    futures = [pool.submit(encoder, rows[bounds[i] : bounds[i + 1]], imatrix) for i in range(1, parts)]
+    head = encoder(rows[: bounds[1]], imatrix)
+    return np.concatenate([head, *(f.result() for f in futures)])
+
+
+@functools.cache
+def _worker_pool() -> Executor:
+    """Workers for the encoders, kept for the life of the process.
+
+    The encoders make hundreds of small numpy calls per chunk, and threads lose much of their time
+    handing the GIL over between those calls: on 2 cores, Q4_K runs 1.5x as fast as on one with
+    threads and 1.6-1.7x with processes, and the ref model converts to Q4_K_M in 3.4 s instead of
+    4.25 s. Forked processes start in milliseconds with the encoders already imported; they run
+    numpy only, never torch, so the parent's thread pools do not matter to them. Where fork is not
+    the platform's safe choice (macOS, Windows) threads do the work.
+    """
+    workers = max(1, _cores() - 1)
+    if sys.platform.startswith("linux"):
+        fork = multiprocessing.get_context("fork")
+        return ProcessPoolExecutor(workers, mp_context=fork, initializer=_detach_stdio)
+    return ThreadPoolExecutor(workers)
+
+
+def _detach_stdio() -> None:
+    """Give a forked worker its own stdout/stderr: the inherited stream objects may carry a lock a
+    parent thread (a progress bar) held at the fork, and a worker flushes its streams on exit."""
+    sys.stdout = sys.stderr = open(os.devnull, "w")
