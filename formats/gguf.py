@@ -117,6 +117,9 @@ class GGUFFileWriter:
         writer.add_quantization_version(2)
         _add_hparams(writer, self.arch, ckpt.config)
         _add_tokenizer(writer, ckpt)
+        generated = _generated_tensors(ckpt.config)
+        for name, data in generated.items():  # first, as llama.cpp's converter writes them
+            writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes)
         for hf_name, shape, ggml_type in plan:
             qtype = GGMLQuantizationType[ggml_type]
             writer.add_tensor_info(gguf_name(hf_name), shape, np.dtype(np.float32), _nbytes(shape, qtype), raw_dtype=qtype)
@@ -124,6 +127,8 @@ class GGUFFileWriter:
         writer.write_header_to_file(self.tmp)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
+        for data in generated.values():
+            writer.write_tensor_data(data)
         self._writer = writer
         self._next = 0
 
@@ -167,18 +172,29 @@ def _permute_rows(raw: np.ndarray, heads: int) -> np.ndarray:
     return raw.reshape(heads, 2, head_dim // 2, *raw.shape[1:]).swapaxes(1, 2).reshape(raw.shape)
 
 
+def _rope(config: dict) -> tuple[float, dict]:
+    """rope_theta and the rope-scaling settings, wherever this config's transformers version keeps them."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return float(rope.get("rope_theta", config.get("rope_theta", 10000.0))), rope
+
+
+def _head_dim(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
 def _add_hparams(writer: GGUFWriter, arch: str, config: dict) -> None:
     hidden = config["hidden_size"]
     heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    head_dim = _head_dim(config)
+    rope_theta, rope = _rope(config)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "linear":
         writer.add_rope_scaling_type("linear")
         writer.add_rope_scaling_factor(float(rope["factor"]))
-    elif rope_type not in ("default", None):
-        raise InputError(f"config.json: rope type '{rope_type}' is not supported for GGUF export yet (supported: default, linear)")
+    elif rope_type == "llama3" and arch != "llama":
+        raise InputError(f"config.json: rope type 'llama3' is only supported for llama models in GGUF export")
+    elif rope_type not in ("default", "llama3", None):  # llama3: the rope_freqs tensor carries it
+        raise InputError(f"config.json: rope type '{rope_type}' is not supported for GGUF export yet (supported: default, linear, llama3)")
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(hidden)
     writer.add_block_count(config["num_hidden_layers"])
@@ -186,12 +202,37 @@ def _add_hparams(writer: GGUFWriter, arch: str, config: dict) -> None:
     writer.add_head_count(heads)
     writer.add_head_count_kv(config.get("num_key_value_heads", heads))
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
-    writer.add_rope_freq_base(float(rope_theta))
+    writer.add_rope_freq_base(rope_theta)
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(config["vocab_size"])
     if config.get("head_dim"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+
+
+def _generated_tensors(config: dict) -> dict[str, np.ndarray]:
+    """Tensors llama.cpp needs that the checkpoint does not hold.
+
+    Llama-3.1's rope scaling stretches each rotary frequency by its own factor; llama.cpp reads the
+    per-frequency divisors from ``rope_freqs.weight`` (transformers computes the same from
+    config.json at load time): 1 for short wavelengths, ``factor`` for long ones, and a smooth
+    blend between ``original_max_position_embeddings / high_freq_factor`` and ``/ low_freq_factor``.
+    """
+    theta, rope = _rope(config)
+    if rope.get("rope_type", rope.get("type")) != "llama3":
+        return {}
+    dim = _head_dim(config)
+    factor = float(rope["factor"])
+    low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
+    old_context = float(rope.get("original_max_position_embeddings", 8192))
+    freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (old_context / wavelen - low) / (high - low)
+    divisors = np.where(
+        wavelen < old_context / high, 1.0,
+        np.where(wavelen > old_context / low, factor, 1.0 / ((1 - smooth) / factor + smooth)),
+    )
+    return {"rope_freqs.weight": divisors.astype(np.float32)}
 
 
 def _add_tokenizer(writer: GGUFWriter, ckpt: HFCheckpoint) -> None:

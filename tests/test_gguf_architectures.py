@@ -69,6 +69,24 @@ def test_llama_cpp_computes_what_transformers_computes(tmp_path, model_type, ext
     assert ref.exp().max() > 0.05  # the random model is not near-uniform: the check has teeth
 
 
+def test_llama3_rope_scaling_is_carried_by_rope_freqs(tmp_path):
+    """Llama-3.1's per-frequency rope scaling; a short original context puts most rotary
+    frequencies in the scaled and blended bands, so a wrong factor shows in every position."""
+    from transformers import AutoModelForCausalLM
+
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    folder = make_model(tmp_path / "l31", "llama", rope_parameters=rope)
+    ours, ref = llama_vs_transformers(folder, tmp_path)
+    assert (ours - ref).abs().mean() < 1e-4
+    unscaled = make_model(tmp_path / "l3", "llama")
+    ids = torch.tensor([list(range(100, 228))])
+    with torch.inference_mode():
+        a = AutoModelForCausalLM.from_pretrained(folder).eval()(input_ids=ids).logits.log_softmax(-1)
+        b = AutoModelForCausalLM.from_pretrained(unscaled).eval()(input_ids=ids).logits.log_softmax(-1)
+    assert (a - b).abs().mean() > 100 * (ours - ref).abs().mean()  # the scaling matters to this model
+
+
 def test_llama3_pre_tokenizer_tokenizes_like_transformers(tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is the 'interop' extra")
     from transformers import AutoTokenizer
