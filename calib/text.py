@@ -32,5 +32,5 @@ def token_windows(tokenizer, path: Path, window: int, max_windows: int | None = 
     if max_windows is not None:
         n = min(n, max_windows)
     if n == 0:
-        raise InputError(f"{path}: {len(ids)} tokens is shorter than one evaluation window of {window}")
+        raise InputError(f"{path}: {len(ids)} tokens is shorter than one window of {window} tokens")
     return torch.tensor(ids[: n * window], dtype=torch.long).reshape(n, window)

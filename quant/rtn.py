@@ -26,25 +26,32 @@ def quantize_rtn(weight: torch.Tensor, spec: QuantSpec, name: str = "tensor") ->
     if n_in % group:
         raise InputError(f"{name}: input size {n_in} is not a multiple of group_size {group}")
     w = weight.to(torch.float32).reshape(out, n_in // group, group)
-    maxq = 2**spec.bits - 1
+    scales, zeros = fit_grid(w, spec, name)
+    codes = round_to_grid(w, scales.unsqueeze(-1), zeros.unsqueeze(-1), spec.bits).to(torch.uint8).reshape(out, n_in)
+    return QuantizedTensor(spec=spec, codes=codes, scales=scales.contiguous(), zeros=zeros.contiguous())
 
+
+def fit_grid(w: torch.Tensor, spec: QuantSpec, name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero-point of each group of ``w [out, n_groups, group]`` by min-max (see
+    ``quantize_rtn``); per-tensor specs share one range across every group."""
     if spec.symmetric:
         amax = w.abs().amax(dim=-1)
         if spec.granularity == "tensor":
             amax = amax.amax().expand_as(amax)
         scales = _fp16_scale(amax / (2 ** (spec.bits - 1) - 1), name)
-        zeros = torch.full_like(scales, float(2 ** (spec.bits - 1)))
-    else:
-        lo = w.amin(dim=-1).clamp(max=0.0)
-        hi = w.amax(dim=-1).clamp(min=0.0)
-        if spec.granularity == "tensor":
-            lo, hi = lo.amin().expand_as(lo), hi.amax().expand_as(hi)
-        scales = _fp16_scale((hi - lo) / maxq, name)
-        zeros = torch.round(-lo / scales).clamp(0, maxq)
+        return scales, torch.full_like(scales, float(2 ** (spec.bits - 1)))
+    lo = w.amin(dim=-1).clamp(max=0.0)
+    hi = w.amax(dim=-1).clamp(min=0.0)
+    if spec.granularity == "tensor":
+        lo, hi = lo.amin().expand_as(lo), hi.amax().expand_as(hi)
+    maxq = 2**spec.bits - 1
+    scales = _fp16_scale((hi - lo) / maxq, name)
+    return scales, torch.round(-lo / scales).clamp(0, maxq)
 
-    codes = torch.round(w / scales.unsqueeze(-1)) + zeros.unsqueeze(-1)
-    codes = codes.clamp(0, maxq).to(torch.uint8).reshape(out, n_in)
-    return QuantizedTensor(spec=spec, codes=codes, scales=scales.contiguous(), zeros=zeros.contiguous())
+
+def round_to_grid(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int) -> torch.Tensor:
+    """The nearest level ``round(w / scale) + zero`` in ``[0, 2**bits - 1]``, as float codes."""
+    return (torch.round(w / scales) + zeros).clamp(0, 2**bits - 1)
 
 
 def _fp16_scale(scale: torch.Tensor, name: str) -> torch.Tensor:

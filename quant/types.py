@@ -55,13 +55,17 @@ class QuantizedTensor:
     ``codes`` are unsigned levels in ``[0, 2**bits - 1]``; the real value is
     ``(codes - zeros) * scales``, with scales and zeros broadcast over each group. Symmetric specs
     use the fixed mid-level zero ``2**(bits-1)``, so one dequantization formula serves both.
-    Writers pack codes into their own layouts; nothing here assumes a file format.
+    Groups are runs of consecutive input columns, unless ``group_index`` says which group each
+    column belongs to (GPTQ with act-order forms groups in the order it visits columns; GPTQ
+    checkpoints store this as ``g_idx``). Writers pack codes into their own layouts; nothing here
+    assumes a file format.
     """
 
     spec: QuantSpec
     codes: torch.Tensor  # uint8 [out, in]
     scales: torch.Tensor  # float32 [out, n_groups]
     zeros: torch.Tensor  # float32 [out, n_groups]
+    group_index: torch.Tensor | None = None  # int32 [in]: the group of each input column
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -69,6 +73,9 @@ class QuantizedTensor:
 
     def dequantize(self) -> torch.Tensor:
         out, n_in = self.codes.shape
+        if self.group_index is not None:
+            g = self.group_index.long()
+            return (self.codes.to(torch.float32) - self.zeros[:, g]) * self.scales[:, g]
         n_groups = self.scales.shape[1]
         q = self.codes.to(torch.float32).reshape(out, n_groups, n_in // n_groups)
         w = (q - self.zeros.unsqueeze(-1)) * self.scales.unsqueeze(-1)
@@ -76,10 +83,12 @@ class QuantizedTensor:
 
     @property
     def bits_per_weight(self) -> float:
-        """Code bits plus the amortised cost of fp16 scales (and zero-points when asymmetric)."""
+        """Code bits plus the amortised cost of fp16 scales (and zero-points when asymmetric) and
+        of a 32-bit group index per input column where there is one."""
         per_scale = 16 + (0 if self.spec.symmetric else self.spec.bits)
         n_scales = 1 if self.spec.granularity == "tensor" else self.scales.numel()
-        return self.spec.bits + per_scale * n_scales / self.codes.numel()
+        index_bits = 0 if self.group_index is None else 32 * self.group_index.numel()
+        return self.spec.bits + (per_scale * n_scales + index_bits) / self.codes.numel()
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from evalsuite.metrics import causal_lm_logprobs, score
 from evalsuite.report import Report, VariantRow, write_report
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
 from recipes.importance import model_imatrix
-from recipes.schema import Calibration, Recipe, RTNWeights, Variant
+from recipes.schema import Calibration, GPTQWeights, Recipe, RTNWeights, Variant
 from recipes.variants import build_variant, plan_variant
 
 
@@ -33,7 +33,8 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
     ev = recipe.evaluation
     windows = token_windows(tokenizer, ev.text, ev.window, ev.max_windows)
     needs_imatrix = any(getattr(v.weights, "imatrix", False) for v in recipe.variants)
-    calib_windows = _calibration_windows(tokenizer, recipe.calibration) if needs_imatrix else None
+    needs_calibration = any(v.needs_calibration for v in recipe.variants)
+    calib_windows = _calibration_windows(tokenizer, recipe.calibration) if needs_calibration else None
     out_dir.mkdir(parents=True, exist_ok=True)
 
     with progress_bar(console) as progress:
@@ -41,7 +42,7 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
         reference_model = load_causal_lm(ckpt)
         progress.remove_task(loading)
         imatrix = None
-        if calib_windows is not None:
+        if needs_imatrix:
             imatrix = _tracked(progress, "importance matrix", len(calib_windows),
                                lambda tick: model_imatrix(reference_model, ckpt, calib_windows, tick))
         reference = causal_lm_logprobs(reference_model)
@@ -54,7 +55,7 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
         for variant in recipe.variants:
             start = time.perf_counter()
             uses = imatrix if getattr(variant.weights, "imatrix", False) else None
-            built = build_variant(ckpt, variant, out_dir, progress, imatrix=uses)
+            built = build_variant(ckpt, variant, out_dir, progress, imatrix=uses, calibration=calib_windows)
             model = model_from_state(reference_model.config, built.state)
             bits, files = built.bits_per_weight, built.files
             del built
@@ -81,6 +82,8 @@ def _describe(variant: Variant) -> str:
     w = variant.weights
     if isinstance(w, RTNWeights):
         return f"rtn {w.spec.label}"
+    if isinstance(w, GPTQWeights):
+        return f"gptq {w.spec.label}" + (" act-order" if w.act_order else "") + (" static-groups" if w.static_groups else "")
     return f"gguf {w.type}" + (" imatrix" if w.imatrix else "")
 
 

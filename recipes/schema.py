@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from quant.ggml import FILE_TYPES
+from quant.gptq import GPTQSettings
 from quant.types import InputError, QuantSpec
 
 
@@ -42,6 +43,28 @@ class RTNWeights(_Strict):
         return QuantSpec(self.bits, self.symmetric, self.granularity, self.group_size)
 
 
+class GPTQWeights(_Strict):
+    """GPTQ on the decoder layers' Linear weights, fitted layer by layer on the calibration text."""
+
+    method: Literal["gptq"]
+    bits: int = Field(ge=2, le=8)
+    symmetric: bool = True
+    group_size: int | None = Field(default=128, ge=1)  # null: one scale per output channel
+    act_order: bool = False
+    static_groups: bool = False
+    damp: float = Field(default=0.01, gt=0, le=1)
+    targets: list[str] = Field(default=["*"], min_length=1)  # module name patterns, e.g. "*.mlp.*"
+    ignore: list[str] = []
+
+    @property
+    def spec(self) -> QuantSpec:
+        return QuantSpec(self.bits, self.symmetric, "group" if self.group_size else "channel", self.group_size)
+
+    @property
+    def settings(self) -> GPTQSettings:
+        return GPTQSettings(damp=self.damp, act_order=self.act_order, static_groups=self.static_groups)
+
+
 class GGUFWeights(_Strict):
     """Every tensor encoded as llama.cpp's quantizer would for a GGUF file type."""
 
@@ -52,8 +75,12 @@ class GGUFWeights(_Strict):
 
 class Variant(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)
-    weights: Annotated[Union[RTNWeights, GGUFWeights], Field(discriminator="method")]
+    weights: Annotated[Union[RTNWeights, GPTQWeights, GGUFWeights], Field(discriminator="method")]
     exports: list[Literal["safetensors", "gguf"]] = []
+
+    @property
+    def needs_calibration(self) -> bool:
+        return isinstance(self.weights, GPTQWeights) or getattr(self.weights, "imatrix", False)
 
     @model_validator(mode="after")
     def _gguf_needs_gguf_weights(self) -> "Variant":
@@ -82,10 +109,10 @@ class Recipe(_Strict):
     output: Path | None = None
 
     @model_validator(mode="after")
-    def _imatrix_needs_calibration(self) -> "Recipe":
-        needing = [v.name for v in self.variants if getattr(v.weights, "imatrix", False)]
+    def _calibrated_variants_need_calibration(self) -> "Recipe":
+        needing = [v.name for v in self.variants if v.needs_calibration]
         if needing and self.calibration is None:
-            raise ValueError(f"variant '{needing[0]}' uses an importance matrix: add 'calibration: {{text: ...}}'")
+            raise ValueError(f"variant '{needing[0]}' is fitted on calibration text: add 'calibration: {{text: ...}}'")
         return self
 
     @field_validator("variants")

@@ -15,12 +15,13 @@ import torch
 from rich.progress import Progress
 
 from formats.gguf import GGUFFileWriter, architecture_of, check_shapes, gguf_name, gguf_order
-from formats.hf import DenseSafetensorsWriter, HFCheckpoint, is_linear_weight
+from formats.hf import DenseSafetensorsWriter, HFCheckpoint, is_linear_weight, load_causal_lm
 from formats.modelfile import write_modelfile
 from quant.ggml import FILE_TYPES, encode, tensor_types
+from quant.gptq_model import gptq_model, select_modules
 from quant.rtn import quantize_rtn
 from quant.types import InputError, TensorPayload, dequantized
-from recipes.schema import GGUFWeights, RTNWeights, Variant
+from recipes.schema import GGUFWeights, GPTQWeights, RTNWeights, Variant
 
 Imatrix = dict[str, np.ndarray]  # HF weight name -> importance per input column
 
@@ -46,11 +47,16 @@ def plan_variant(ckpt: HFCheckpoint, variant: Variant, imatrix: bool = False) ->
     """Check a variant against the model's shapes and fix the tensor order and types; reads no data."""
     names = ckpt.names
     weights = variant.weights
-    if isinstance(weights, RTNWeights):
+    if isinstance(weights, (RTNWeights, GPTQWeights)):
         spec = weights.spec
         targets = [n for n in names if is_linear_weight(n, ckpt.shape(n))]
         if not targets:
             raise InputError(f"{ckpt.path}: no Linear weights to quantize")
+        if isinstance(weights, GPTQWeights):
+            try:
+                select_modules([n.removesuffix(".weight") for n in targets], weights.targets, weights.ignore)
+            except InputError as e:
+                raise InputError(f"variant '{variant.name}': {e}") from None
         if spec.granularity == "group":
             for n in targets:
                 if ckpt.shape(n)[1] % spec.group_size:
@@ -75,14 +81,18 @@ def build_variant(
     imatrix: Imatrix | None = None,
     keep_weights: bool = True,
     gguf_path: Path | None = None,
+    calibration: torch.Tensor | None = None,
 ) -> BuiltVariant:
     """Quantize ``variant`` tensor by tensor into its exports under ``out_dir/<variant name>``.
 
     ``gguf_path`` overrides where the GGUF export goes. With ``keep_weights`` the dequantized
-    weights are also kept for evaluation (the whole model in float32).
+    weights are also kept for evaluation (the whole model in float32). Variants fitted on
+    calibration text (GPTQ) take the token windows in ``calibration``; they are fitted first, on
+    the whole model, and their tensors then stream into the exports like any others.
     """
     plan = plan_variant(ckpt, variant, imatrix is not None)
     progress = progress or Progress(disable=True)
+    fitted = _fit(ckpt, variant, calibration, progress) if isinstance(variant.weights, GPTQWeights) else {}
     vdir = out_dir / variant.name
     writers: list = []
     if "safetensors" in variant.exports:
@@ -99,7 +109,7 @@ def build_variant(
     task = progress.add_task(f"{variant.name}: quantize + export", total=len(plan.names))
     try:
         for name in plan.names:
-            payload = _quantize(ckpt, variant, plan, name, imatrix)
+            payload = fitted.pop(name, None) or _quantize(ckpt, variant, plan, name, imatrix)
             weights = dequantized(payload) if keep_weights or "safetensors" in variant.exports else None
             for w in writers:
                 w.add(name, weights if isinstance(w, DenseSafetensorsWriter) else payload)
@@ -122,13 +132,28 @@ def build_variant(
     return BuiltVariant(state, files, bits / params)
 
 
+def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None, progress: Progress) -> dict[str, TensorPayload]:
+    """GPTQ on the whole model: the quantized tensors by name."""
+    if windows is None:
+        raise InputError(f"variant '{variant.name}': GPTQ needs calibration text (add 'calibration: {{text: ...}}')")
+    weights = variant.weights
+    model = load_causal_lm(ckpt)
+    task = progress.add_task(f"{variant.name}: GPTQ layers", total=len(model.model.layers))
+    try:
+        results = gptq_model(model, windows, weights.spec, weights.settings, weights.targets, weights.ignore,
+                             on_layer=lambda: progress.advance(task))
+    finally:
+        progress.remove_task(task)
+    return {name: r.tensor for name, r in results.items()}
+
+
 def _quantize(ckpt: HFCheckpoint, variant: Variant, plan: Plan, name: str, imatrix: Imatrix | None) -> TensorPayload:
-    """One tensor's payload. Both quantizers refuse NaN/Inf themselves (naming the tensor), so the
+    """One tensor's payload. The quantizers refuse NaN/Inf themselves (naming the tensor), so the
     explicit scan is only needed for tensors passed through unchanged."""
     tensor = ckpt.tensor(name)
     weights = variant.weights
-    if isinstance(weights, RTNWeights):
-        if is_linear_weight(name, tuple(tensor.shape)):
+    if isinstance(weights, (RTNWeights, GPTQWeights)):
+        if isinstance(weights, RTNWeights) and is_linear_weight(name, tuple(tensor.shape)):
             return quantize_rtn(tensor, weights.spec, name)
         if not torch.isfinite(tensor).all():
             raise InputError(f"{ckpt.path}: tensor '{name}' contains NaN or Inf")

@@ -16,11 +16,14 @@ EVAL_TEXT = BUNDLED / "eval.txt"
 SMALL_RECIPE = {
     "model": str(TINY),
     "evaluation": {"text": str(EVAL_TEXT), "window": 512, "max_windows": 2},
-    "calibration": {"text": str(BUNDLED / "calib.txt"), "max_windows": 2},
+    "calibration": {"text": str(BUNDLED / "calib.txt"), "max_windows": 16},
     "variants": [
         {"name": "int8", "weights": {"method": "rtn", "bits": 8}, "exports": ["safetensors"]},
         {"name": "int4-g64-asym",
          "weights": {"method": "rtn", "bits": 4, "symmetric": False, "granularity": "group", "group_size": 64},
+         "exports": ["safetensors"]},
+        {"name": "gptq-int4-g64-asym",
+         "weights": {"method": "gptq", "bits": 4, "symmetric": False, "group_size": 64, "act_order": True},
          "exports": ["safetensors"]},
         {"name": "f16", "weights": {"method": "gguf", "type": "F16"}, "exports": ["gguf"]},
         {"name": "q8_0", "weights": {"method": "gguf", "type": "Q8_0"}, "exports": ["gguf"]},

@@ -108,7 +108,23 @@ def test_imatrix_without_calibration_text(monkeypatch, capsys, tmp_path):
     recipe = recipe_with(tmp_path)
     recipe.pop("calibration")
     recipe["variants"] = [{"name": "k", "weights": {"method": "gguf", "type": "Q4_K_M", "imatrix": True}}]
-    run_bad(monkeypatch, capsys, tmp_path, recipe, "variant 'k' uses an importance matrix", "calibration")
+    run_bad(monkeypatch, capsys, tmp_path, recipe, "variant 'k' is fitted on calibration text", "calibration")
+
+
+def test_gptq_target_pattern_that_matches_no_module(monkeypatch, capsys, tmp_path):
+    recipe = recipe_with(tmp_path)
+    recipe["variants"] = [{"name": "g", "weights": {"method": "gptq", "bits": 4, "targets": ["*.mlp.gate"]}}]
+    run_bad(monkeypatch, capsys, tmp_path, recipe, "variant 'g'", "pattern '*.mlp.gate' matches no Linear module",
+            "e.g. 'model.layers.0.")
+
+
+def test_calibration_text_shorter_than_a_window(monkeypatch, capsys, tmp_path):
+    recipe = recipe_with(tmp_path)
+    short = tmp_path / "short.txt"
+    short.write_text("Only a few words of calibration text.")
+    recipe["calibration"] = {"text": str(short)}
+    recipe["variants"] = [{"name": "g", "weights": {"method": "gptq", "bits": 4}}]
+    run_bad(monkeypatch, capsys, tmp_path, recipe, "short.txt", "shorter than one window of 512 tokens")
 
 
 def test_duplicate_variant_names(monkeypatch, capsys, tmp_path):

@@ -18,7 +18,7 @@ from recipes.schema import Variant
 def test_report_compares_every_variant_with_the_original(small_run):
     out, report = small_run
     rows = {r["name"]: r for r in report["variants"]}
-    assert list(rows) == ["original", "int8", "int4-g64-asym", "f16", "q8_0", "q4_k_m-imatrix"]
+    assert list(rows) == ["original", "int8", "int4-g64-asym", "gptq-int4-g64-asym", "f16", "q8_0", "q4_k_m-imatrix"]
     assert report["evaluation"]["windows"] == 2
     assert rows["original"]["kld"] is None and rows["original"]["tokens"] == 2 * 511
     assert 20 < rows["original"]["ppl"] < 200
@@ -34,6 +34,10 @@ def test_report_compares_every_variant_with_the_original(small_run):
     assert 4.5 < rows["q4_k_m-imatrix"]["bits_per_weight"] < 6
     assert rows["q8_0"]["kld"] < rows["q4_k_m-imatrix"]["kld"] < rows["int4-g64-asym"]["kld"]
     assert rows["q4_k_m-imatrix"]["method"] == "gguf Q4_K_M imatrix"
+    # Same grid as int4-g64-asym, fitted to 16 windows of calibration text: GPTQ moves the model less.
+    assert rows["gptq-int4-g64-asym"]["kld"] < 0.8 * rows["int4-g64-asym"]["kld"]
+    assert rows["gptq-int4-g64-asym"]["method"] == "gptq int4-g64-asym act-order"
+    assert rows["gptq-int4-g64-asym"]["bits_per_weight"] > rows["int4-g64-asym"]["bits_per_weight"]  # + g_idx
     md = (out / "report.md").read_text()
     assert "| int4-g64-asym | rtn int4-g64-asym |" in md
     assert not list(out.rglob("*.partial"))
@@ -43,7 +47,7 @@ def test_every_export_listed_in_the_report_exists(small_run):
     out, report = small_run
     files = [f for r in report["variants"] for f in r["files"]]
     assert {f["path"] for f in files} == {
-        "int8/safetensors", "int4-g64-asym/safetensors", "f16/tiny-F16.gguf", "q8_0/tiny-Q8_0.gguf",
+        "int8/safetensors", "int4-g64-asym/safetensors", "gptq-int4-g64-asym/safetensors", "f16/tiny-F16.gguf", "q8_0/tiny-Q8_0.gguf",
         "q4_k_m-imatrix/tiny-Q4_K_M.gguf",
     }
     for f in files:

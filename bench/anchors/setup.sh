@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Create the isolated virtualenv of one "anchor" (a third-party quantizer that
+# bench/ptq_table.py runs as a subprocess to compare against our own methods).
+#
+#   bench/anchors/setup.sh NAME        # NAME: gptqmodel | llmcompressor
+#
+# The venv lands in .anchors/NAME (gitignored) at the repo root.  Re-running is
+# cheap: an anchor whose venv already imports its pinned versions is skipped.
+# Set ANCHOR_FORCE=1 to rebuild it from scratch, PYTHON to choose the interpreter.
+#
+# The torch trap: anything that depends on torch must be installed in the SAME
+# pip command as `torch==2.13.0`, or pip pulls a multi-GB CUDA build.  Use pip,
+# not uv (uv does not see the local CPU wheel).
+set -euo pipefail
+
+usage() { echo "usage: $0 NAME   (NAME: gptqmodel | llmcompressor)" >&2; exit 2; }
+[ $# -eq 1 ] || usage
+NAME=$1
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+VENV="$ROOT/.anchors/$NAME"
+PY=${PYTHON:-python3.11}
+TORCH_PIN="torch==2.13.0"
+
+# venv_ok CHECK_PY: true when the venv exists and runs the import check.
+venv_ok() {
+    [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "$1" >/dev/null 2>&1
+}
+
+# fresh_venv: (re)create an empty venv with a current pip.
+fresh_venv() {
+    rm -rf "$VENV"
+    mkdir -p "$ROOT/.anchors"
+    "$PY" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+}
+
+# pip_install ARGS...: install into the anchor venv.
+pip_install() {
+    "$VENV/bin/python" -m pip install --disable-pip-version-check "$@"
+}
+
+case "$NAME" in
+    gptqmodel)
+        # GPTQModel 7.6.0 is the last release that accepts torch 2.13 (7.7.0 needs
+        # torch>=2.14.1); it pins numpy==2.2.6.  transformers 5.24 is what its
+        # resolver picks and what the main venv runs.  optimum is not needed:
+        # the anchor loads its checkpoint back with GPTQModel itself.
+        CHECK='import importlib.metadata as m
+assert m.version("gptqmodel") == "7.6.0", m.version("gptqmodel")
+assert m.version("torch").startswith("2.13.0"), m.version("torch")
+assert m.version("transformers") == "5.24.0"
+import torch, safetensors, transformers, tokenizers, numpy
+import gptqmodel.quantization.config'
+        if [ "${ANCHOR_FORCE:-0}" != 1 ] && venv_ok "$CHECK"; then
+            echo "anchor gptqmodel: $VENV already set up"
+            exit 0
+        fi
+        fresh_venv
+        pip_install "$TORCH_PIN" \
+            "gptqmodel==7.6.0" \
+            "transformers==5.24.0" \
+            "tokenizers==0.23.3" \
+            "safetensors==0.8.0" \
+            "accelerate==1.15.0" \
+            "numpy==2.2.6"
+        ;;
+    *)
+        echo "setup.sh: unknown anchor '$NAME'" >&2
+        usage
+        ;;
+esac
+
+if ! venv_ok "$CHECK"; then
+    echo "setup.sh: anchor $NAME installed but its import check fails:" >&2
+    "$VENV/bin/python" -c "$CHECK" >&2 || true
+    exit 1
+fi
+echo "anchor $NAME: ready in $VENV"

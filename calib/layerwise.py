@@ -1,0 +1,142 @@
+"""Walking a decoder one layer at a time over calibration windows.
+
+Passes such as GPTQ fit each layer to the inputs it will really see: those produced by the layers
+before it *after* they were quantized. So the calibration windows are run through the embedding
+once, and then through one decoder layer at a time, the outputs of layer i (quantized) becoming the
+inputs of layer i + 1. Only one layer's inputs are held, ``[windows, tokens, hidden]``.
+
+Inside a layer, the Linear modules are grouped by the input they share (q/k/v, then o, then
+gate/up, then down in a Llama block), in the order the layer calls them, so a pass can quantize
+one group and let the next group's statistics see its effect ("true sequential").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from quant.types import InputError
+
+
+@dataclass
+class LayerInputs:
+    """What every decoder layer is called with: one hidden-state tensor per window, and the
+    keyword arguments the model passes alongside (rotary embeddings, mask, positions), the same
+    for all windows since they have one length."""
+
+    hidden: torch.Tensor  # [windows, tokens, hidden]
+    kwargs: dict
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise InputError(f"{type(model).__name__}: not a decoder model with model.layers (Llama, Mistral, Qwen2 family)")
+    return layers
+
+
+class _Captured(Exception):
+    pass
+
+
+def first_layer_inputs(model: torch.nn.Module, windows: torch.Tensor) -> LayerInputs:
+    """Run each window through the embedding only, keeping what decoder layer 0 receives."""
+    hidden, kwargs = [], {}
+
+    def catch(module, args, kw):
+        hidden.append(args[0] if args else kw.pop("hidden_states"))
+        kwargs.update({k: v for k, v in kw.items() if k != "hidden_states"})
+        raise _Captured
+
+    handle = decoder_layers(model)[0].register_forward_pre_hook(catch, with_kwargs=True)
+    try:
+        with torch.inference_mode():
+            for i in range(windows.shape[0]):
+                try:
+                    model(input_ids=windows[i : i + 1], use_cache=False)
+                except _Captured:
+                    pass
+    finally:
+        handle.remove()
+    kwargs["use_cache"] = False
+    return LayerInputs(torch.cat(hidden), kwargs)
+
+
+# Windows per layer call: large enough for efficient matrix products, small enough that the
+# attention scores of one batch stay small.
+_BATCH = 8
+
+
+def _batches(inputs: LayerInputs):
+    for i in range(0, len(inputs.hidden), _BATCH):
+        yield inputs.hidden[i : i + _BATCH]
+
+
+def run_layer(layer: torch.nn.Module, inputs: LayerInputs) -> torch.Tensor:
+    """The layer's outputs for every window: the next layer's inputs."""
+    with torch.inference_mode():
+        return torch.cat([_output(layer(batch, **inputs.kwargs)) for batch in _batches(inputs)])
+
+
+def linear_groups(layer: torch.nn.Module, inputs: LayerInputs) -> list[list[str]]:
+    """The layer's Linear modules (names relative to the layer), grouped by shared input, in call order."""
+    calls: list[tuple[str, int]] = []
+
+    def record(name: str) -> Callable:
+        def hook(module, args):
+            calls.append((name, args[0].data_ptr()))
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(record(n)) for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        with torch.inference_mode():
+            layer(inputs.hidden[:1], **inputs.kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    groups: list[list[str]] = []
+    last_input = None
+    for name, ptr in calls:
+        if groups and ptr == last_input:
+            groups[-1].append(name)
+        elif not any(name in g for g in groups):
+            groups.append([name])
+        last_input = ptr
+    return groups
+
+
+def input_hessians(layer: torch.nn.Module, inputs: LayerInputs, names: list[str]) -> dict[str, torch.Tensor]:
+    """``H = 2/n Σ x xᵀ`` of the inputs of the named Linear modules over every calibration token."""
+    modules = dict(layer.named_modules())
+    sums = {n: torch.zeros(modules[n].in_features, modules[n].in_features) for n in names}
+    counts = dict.fromkeys(names, 0)
+
+    def collect(name: str) -> Callable:
+        def hook(module, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).to(torch.float32)
+            sums[name].addmm_(x.T, x)
+            counts[name] += x.shape[0]
+            if name == names[-1]:
+                raise _Captured  # the rest of the layer cannot change these inputs
+
+        return hook
+
+    handles = [modules[n].register_forward_pre_hook(collect(n)) for n in names]
+    try:
+        with torch.inference_mode():
+            for batch in _batches(inputs):
+                try:
+                    layer(batch, **inputs.kwargs)
+                except _Captured:
+                    pass
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: sums[n] * (2.0 / max(counts[n], 1)) for n in names}
+
+
+def _output(result) -> torch.Tensor:
+    return result[0] if isinstance(result, tuple) else result
