@@ -31,22 +31,48 @@ def quantize_rtn(weight: torch.Tensor, spec: QuantSpec, name: str = "tensor") ->
     return QuantizedTensor(spec=spec, codes=codes, scales=scales.contiguous(), zeros=zeros.contiguous())
 
 
+# The MSE range search tries the min-max range shrunk by 0%, 1%, ... 79% (as GPTQ's reference
+# quantizer does) and keeps, per group, the one with the least squared error.
+_SHRINKS = 1.0 - torch.arange(80) / 100
+
+
 def fit_grid(w: torch.Tensor, spec: QuantSpec, name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero-point of each group of ``w [out, n_groups, group]`` by min-max (see
-    ``quantize_rtn``); per-tensor specs share one range across every group."""
+    """Scale and zero-point of each group of ``w [out, n_groups, group]`` (see ``quantize_rtn``);
+    per-tensor specs share one range across every group."""
+    if spec.range == "minmax":
+        return _grid(w, spec, 1.0, name)
+    best_err = best_scales = best_zeros = None
+    for shrink in _SHRINKS.tolist():
+        scales, zeros = _grid(w, spec, shrink, name)
+        q = round_to_grid(w, scales.unsqueeze(-1), zeros.unsqueeze(-1), spec.bits)
+        err = ((q - zeros.unsqueeze(-1)) * scales.unsqueeze(-1) - w).square().sum(-1)
+        if spec.granularity == "tensor":
+            err = err.sum().expand_as(err)
+        if best_err is None:
+            best_err, best_scales, best_zeros = err, scales, zeros
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_scales = torch.where(better, scales, best_scales)
+            best_zeros = torch.where(better, zeros, best_zeros)
+    return best_scales, best_zeros
+
+
+def _grid(w: torch.Tensor, spec: QuantSpec, shrink: float, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min-max scale and zero-point of each group, its range shrunk by ``shrink``."""
     if spec.symmetric:
         amax = w.abs().amax(dim=-1)
         if spec.granularity == "tensor":
             amax = amax.amax().expand_as(amax)
-        scales = _fp16_scale(amax / (2 ** (spec.bits - 1) - 1), name)
+        scales = _fp16_scale(shrink * amax / (2 ** (spec.bits - 1) - 1), name)
         return scales, torch.full_like(scales, float(2 ** (spec.bits - 1)))
     lo = w.amin(dim=-1).clamp(max=0.0)
     hi = w.amax(dim=-1).clamp(min=0.0)
     if spec.granularity == "tensor":
         lo, hi = lo.amin().expand_as(lo), hi.amax().expand_as(hi)
     maxq = 2**spec.bits - 1
-    scales = _fp16_scale((hi - lo) / maxq, name)
-    return scales, torch.round(-lo / scales).clamp(0, maxq)
+    scales = _fp16_scale(shrink * (hi - lo) / maxq, name)
+    return scales, torch.round(-shrink * lo / scales).clamp(0, maxq)
 
 
 def round_to_grid(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int) -> torch.Tensor:

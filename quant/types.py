@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 Granularity = Literal["tensor", "channel", "group"]
+RangeChoice = Literal["minmax", "mse"]
 
 
 @dataclass(frozen=True)
@@ -24,13 +25,16 @@ class QuantSpec:
 
     Weights are quantized along the input dimension of a Linear weight ``[out, in]``: one scale
     (and zero-point when asymmetric) per tensor, per output channel, or per group of
-    ``group_size`` consecutive input columns of one output channel.
+    ``group_size`` consecutive input columns of one output channel. ``range`` picks each group's
+    range: its min and max, or the shrunken range with the least squared error (clipping a few
+    outliers to resolve the rest more finely).
     """
 
     bits: int
     symmetric: bool = True
     granularity: Granularity = "channel"
     group_size: int | None = None
+    range: RangeChoice = "minmax"
 
     def __post_init__(self) -> None:
         if not 2 <= self.bits <= 8:
@@ -45,7 +49,7 @@ class QuantSpec:
     def label(self) -> str:
         """Short human name, e.g. ``int4-g128-asym``."""
         grain = {"tensor": "tensor", "channel": "channel", "group": f"g{self.group_size}"}[self.granularity]
-        return f"int{self.bits}-{grain}-{'sym' if self.symmetric else 'asym'}"
+        return f"int{self.bits}-{grain}-{'sym' if self.symmetric else 'asym'}" + ("-mse" if self.range == "mse" else "")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from calib.text import token_windows
+from calib.text import sample_windows, token_windows
 from evalsuite.metrics import causal_lm_logprobs, score
 from evalsuite.report import Report, VariantRow, write_report
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
@@ -75,7 +75,7 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
 
 
 def _calibration_windows(tokenizer, calibration: Calibration) -> torch.Tensor:
-    return token_windows(tokenizer, calibration.text, calibration.window, calibration.max_windows)
+    return sample_windows(tokenizer, calibration.text, calibration.window, calibration.max_windows, calibration.seed)
 
 
 def _describe(variant: Variant) -> str:

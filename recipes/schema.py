@@ -29,6 +29,7 @@ class RTNWeights(_Strict):
     symmetric: bool = True
     granularity: Literal["tensor", "channel", "group"] = "channel"
     group_size: int | None = Field(default=None, ge=1)
+    range: Literal["minmax", "mse"] = "minmax"
 
     @model_validator(mode="after")
     def _group_size_matches_granularity(self) -> "RTNWeights":
@@ -40,7 +41,7 @@ class RTNWeights(_Strict):
 
     @property
     def spec(self) -> QuantSpec:
-        return QuantSpec(self.bits, self.symmetric, self.granularity, self.group_size)
+        return QuantSpec(self.bits, self.symmetric, self.granularity, self.group_size, self.range)
 
 
 class GPTQWeights(_Strict):
@@ -50,6 +51,7 @@ class GPTQWeights(_Strict):
     bits: int = Field(ge=2, le=8)
     symmetric: bool = True
     group_size: int | None = Field(default=128, ge=1)  # null: one scale per output channel
+    range: Literal["minmax", "mse"] = "minmax"
     act_order: bool = False
     static_groups: bool = False
     damp: float = Field(default=0.01, gt=0, le=1)
@@ -58,7 +60,7 @@ class GPTQWeights(_Strict):
 
     @property
     def spec(self) -> QuantSpec:
-        return QuantSpec(self.bits, self.symmetric, "group" if self.group_size else "channel", self.group_size)
+        return QuantSpec(self.bits, self.symmetric, "group" if self.group_size else "channel", self.group_size, self.range)
 
     @property
     def settings(self) -> GPTQSettings:
@@ -96,9 +98,10 @@ class Evaluation(_Strict):
 
 
 class Calibration(_Strict):
-    text: Path
+    text: Path  # UTF-8 text, or .jsonl with a "text" field per line
     window: int = Field(default=512, ge=16, le=32768)
-    max_windows: int | None = Field(default=128, ge=1)
+    max_windows: int = Field(default=128, ge=1)  # drawn at random (with seed) from the whole text
+    seed: int = 0
 
 
 class Recipe(_Strict):

@@ -101,3 +101,15 @@ def test_spec_rejects_inconsistent_settings():
         QuantSpec(4, True, "group")
     with pytest.raises(ValueError):
         QuantSpec(4, True, "channel", 128)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_mse_range_never_loses_to_min_max_and_wins_on_heavy_tails(symmetric):
+    torch.manual_seed(0)
+    w = torch.distributions.StudentT(3.0).sample((64, 256)) * 0.02  # a few large outliers per row
+    errors = {}
+    for rng in ("minmax", "mse"):
+        spec = QuantSpec(4, symmetric, "group", 64, rng)
+        errors[rng] = (quantize_rtn(w, spec).dequantize() - w).square().reshape(64, 4, 64).sum(-1)
+    assert bool((errors["mse"] <= errors["minmax"] + 1e-12).all())  # the full range is one of the candidates
+    assert errors["mse"].sum() < 0.97 * errors["minmax"].sum()

@@ -1,0 +1,188 @@
+"""Post-training quantization methods side by side on one model: accuracy, time and memory.
+
+    python bench/ptq_table.py --model DIR --calib FILE --eval FILE [--json]
+        [--bits 4 3] [--group-size 128] [--calib-windows 128] [--window 512] [--seed 0]
+        [--eval-windows N] [--methods rtn rtn-mse gptq gptq-actorder gptqmodel llmcompressor-awq]
+
+Every method quantizes the decoder's Linear weights (the output head is left alone) from the
+same calibration windows: ``--calib-windows`` windows of ``--window`` tokens drawn with ``--seed`` from
+the calibration text, written once to a safetensors file that the anchors read too. Each method
+runs in its own process, so its time and peak RSS are its own, and leaves a dense float model that
+this process then scores against the unquantized one on the evaluation text (consecutive
+512-token windows): perplexity, its increase, KL divergence and top-1 agreement.
+
+Anchors are the maintained tools users would otherwise pick, each in its own virtualenv
+(``bench/anchors/setup.sh NAME``): ``gptqmodel`` (GPTQModel 7.6.0's GPTQ, same bits, group size,
+symmetric, no act-order, damping 0.01) and ``llmcompressor-awq`` (llm-compressor's AWQ,
+asymmetric). An anchor whose virtualenv is missing is skipped with a note.
+
+Prints one table; with ``--json``, a JSON list of rows on stdout instead, each with ``method``,
+``bits``, ``group_size``, ``symmetric``, ``ppl``, ``ppl_delta``, ``kld``, ``top1``, ``seconds``,
+``peak_rss_mb`` (the unquantized model is the row with method ``none``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+OURS = ("rtn", "rtn-mse", "gptq", "gptq-actorder")
+ANCHORS = {  # method -> (virtualenv, script, extra arguments)
+    "gptqmodel": ("gptqmodel", "gptqmodel_quantize.py", []),
+    "llmcompressor-awq": ("llmcompressor", "llmcompressor_awq.py", []),
+}
+SYMMETRIC = {"llmcompressor-awq": False}
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--worker"]:
+        return worker(sys.argv[2:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--calib", type=Path, required=True)
+    parser.add_argument("--eval", type=Path, required=True)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--bits", type=int, nargs="+", default=[4, 3])
+    parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--calib-windows", type=int, default=128)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-windows", type=int, default=None)
+    parser.add_argument("--methods", nargs="+", default=[*OURS, *ANCHORS], choices=[*OURS, *ANCHORS])
+    args = parser.parse_args()
+
+    import torch
+    from safetensors.torch import save_file
+
+    from calib.text import sample_windows, token_windows
+    from evalsuite.metrics import causal_lm_logprobs, score
+    from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
+    from quant.types import InputError
+
+    try:
+        ckpt = HFCheckpoint.open(args.model)
+        tokenizer = load_tokenizer(ckpt)
+        calib = sample_windows(tokenizer, args.calib, args.window, args.calib_windows, args.seed)
+        evaluation = token_windows(tokenizer, args.eval, 512, args.eval_windows)
+    except InputError as e:
+        sys.exit(f"error: {e}")
+    work = Path(tempfile.mkdtemp(prefix="ptq_table_"))
+    windows_file = work / "windows.safetensors"
+    save_file({"input_ids": calib.contiguous()}, str(windows_file))
+    log(f"calibration: {len(calib)} windows of {args.window} tokens (seed {args.seed}); evaluation: {len(evaluation)} windows of 512")
+
+    original = load_causal_lm(ckpt)
+    reference = causal_lm_logprobs(original)
+    base = score(reference, evaluation)
+    rows = [dict(method="none", bits=16, group_size=None, symmetric=None, ppl=base.ppl, ppl_delta=0.0, kld=0.0,
+                 top1=1.0, seconds=None, peak_rss_mb=None)]
+    for bits in args.bits:
+        for method in args.methods:
+            out = work / f"{method}-w{bits}"
+            run = run_method(method, bits, args, windows_file, out)
+            if run is None:
+                continue
+            model = load_dense(out / "dense")
+            s = score(causal_lm_logprobs(model), evaluation, reference)
+            rows.append(dict(method=method, bits=bits, group_size=args.group_size, symmetric=SYMMETRIC.get(method, True),
+                             ppl=s.ppl, ppl_delta=s.ppl - base.ppl, kld=s.kld, top1=s.top1, **run))
+            log(f"{method} w{bits}: ppl {s.ppl:.3f} (+{s.ppl - base.ppl:.3f}), kld {s.kld:.4f}, {run['seconds']:.1f} s, {run['peak_rss_mb']:.0f} MiB")
+            del model
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print_table(rows, args)
+
+
+def run_method(method: str, bits: int, args, windows_file: Path, out: Path) -> dict | None:
+    """Quantize in a child process; returns its seconds and peak RSS, or None for a missing anchor."""
+    common = ["--model", str(args.model), "--windows", str(windows_file), "--bits", str(bits),
+              "--group-size", str(args.group_size), "--out", str(out)]
+    if method in OURS:
+        cmd = [sys.executable, __file__, "--worker", method, *common]
+    else:
+        venv, script, extra = ANCHORS[method]
+        python = REPO / ".anchors" / venv / "bin" / "python"
+        if not python.exists():
+            log(f"{method}: skipped, no virtualenv (run bench/anchors/setup.sh {venv})")
+            return None
+        cmd = [str(python), str(REPO / "bench" / "anchors" / script), *common, *extra]
+    done = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        log(f"{method} w{bits} failed:\n{done.stderr[-3000:]}")
+        return None
+    result = json.loads((out / "anchor.json").read_text())
+    return {"seconds": result["seconds"], "peak_rss_mb": result["peak_rss_mb"]}
+
+
+def worker(argv: list[str]) -> None:
+    """One of our methods, in this process, with the anchors' arguments: writes out/dense
+    (float32) and out/anchor.json."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("method", choices=OURS)
+    for flag in ("--model", "--windows", "--out"):
+        parser.add_argument(flag, type=Path, required=True)
+    parser.add_argument("--bits", type=int, required=True)
+    parser.add_argument("--group-size", type=int, required=True)
+    args = parser.parse_args(argv)
+
+    import torch
+    from safetensors.torch import load_file
+
+    from formats.hf import HFCheckpoint, load_causal_lm
+    from quant.gptq import GPTQSettings
+    from quant.gptq_model import gptq_model
+    from quant.rtn import quantize_rtn
+    from quant.types import QuantSpec
+
+    windows = load_file(str(args.windows))["input_ids"]
+    model = load_causal_lm(HFCheckpoint.open(args.model))
+    spec = QuantSpec(args.bits, True, "group", args.group_size, "mse" if args.method == "rtn-mse" else "minmax")
+    start = time.perf_counter()
+    if args.method.startswith("rtn"):
+        for name, module in model.model.layers.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.data = quantize_rtn(module.weight.data, spec, name).dequantize()
+    else:
+        gptq_model(model, windows, spec, GPTQSettings(act_order=args.method == "gptq-actorder"))
+    seconds = time.perf_counter() - start
+    model.save_pretrained(args.out / "dense")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    (args.out / "anchor.json").write_text(json.dumps({"tool": f"quantbench {args.method}", "seconds": seconds, "peak_rss_mb": peak}))
+
+
+def load_dense(folder: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def print_table(rows: list[dict], args) -> None:
+    print(f"model {args.model}, calibration {args.calib_windows} x {args.window} tokens (seed {args.seed}), group size {args.group_size}")
+    print(f"{'method':<20}{'bits':>5}{'sym':>5}{'ppl':>10}{'Δppl':>9}{'Δ/Δrtn':>8}{'KLD':>9}{'top-1':>8}{'s':>8}{'MiB':>7}")
+    rtn = {r["bits"]: r["ppl_delta"] for r in rows if r["method"] == "rtn"}
+    for r in rows:
+        ratio = f"{r['ppl_delta'] / rtn[r['bits']]:.2f}" if rtn.get(r["bits"]) else ""
+        sym = "" if r["symmetric"] is None else ("yes" if r["symmetric"] else "no")
+        secs = "" if r["seconds"] is None else f"{r['seconds']:.1f}"
+        rss = "" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
+        print(f"{r['method']:<20}{r['bits']:>5}{sym:>5}{r['ppl']:>10.3f}{r['ppl_delta']:>+9.3f}{ratio:>8}"
+              f"{r['kld']:>9.4f}{r['top1']:>8.3f}{secs:>8}{rss:>7}")
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()
