@@ -2,7 +2,7 @@
 
     python bench/ptq_table.py --model DIR --calib FILE --eval FILE [--json]
         [--bits 4 3] [--group-size 128] [--calib-windows 128] [--window 512] [--seed 0]
-        [--eval-windows N] [--methods rtn rtn-mse gptq gptq-actorder gptqmodel llmcompressor-awq]
+        [--eval-windows N] [--methods rtn rtn-mse gptq gptq-actorder rtn-asym awq gptqmodel llmcompressor-awq]
 
 Every method quantizes the decoder's Linear weights (the output head is left alone) from the
 same calibration windows: ``--calib-windows`` windows of ``--window`` tokens drawn with ``--seed`` from
@@ -35,12 +35,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-OURS = ("rtn", "rtn-mse", "gptq", "gptq-actorder")
+OURS = ("rtn", "rtn-mse", "gptq", "gptq-actorder", "rtn-asym", "awq")
 ANCHORS = {  # method -> (virtualenv, script, extra arguments)
     "gptqmodel": ("gptqmodel", "gptqmodel_quantize.py", []),
     "llmcompressor-awq": ("llmcompressor", "llmcompressor_awq.py", []),
 }
-SYMMETRIC = {"llmcompressor-awq": False}
+SYMMETRIC = {"rtn-asym": False, "awq": False, "llmcompressor-awq": False}
 
 
 def main() -> None:
@@ -139,6 +139,7 @@ def worker(argv: list[str]) -> None:
     from safetensors.torch import load_file
 
     from formats.hf import HFCheckpoint, load_causal_lm
+    from quant.awq import awq_model
     from quant.gptq import GPTQSettings
     from quant.gptq_model import gptq_model
     from quant.rtn import quantize_rtn
@@ -146,12 +147,15 @@ def worker(argv: list[str]) -> None:
 
     windows = load_file(str(args.windows))["input_ids"]
     model = load_causal_lm(HFCheckpoint.open(args.model))
-    spec = QuantSpec(args.bits, True, "group", args.group_size, "mse" if args.method == "rtn-mse" else "minmax")
+    spec = QuantSpec(args.bits, SYMMETRIC.get(args.method, True), "group", args.group_size,
+                     "mse" if args.method == "rtn-mse" else "minmax")
     start = time.perf_counter()
     if args.method.startswith("rtn"):
         for name, module in model.model.layers.named_modules():
             if isinstance(module, torch.nn.Linear):
                 module.weight.data = quantize_rtn(module.weight.data, spec, name).dequantize()
+    elif args.method == "awq":
+        awq_model(model, windows, spec)
     else:
         gptq_model(model, windows, spec, GPTQSettings(act_order=args.method == "gptq-actorder"))
     seconds = time.perf_counter() - start
@@ -170,7 +174,7 @@ def load_dense(folder: Path):
 def print_table(rows: list[dict], args) -> None:
     print(f"model {args.model}, calibration {args.calib_windows} x {args.window} tokens (seed {args.seed}), group size {args.group_size}")
     print(f"{'method':<20}{'bits':>5}{'sym':>5}{'ppl':>10}{'Δppl':>9}{'Δ/Δrtn':>8}{'KLD':>9}{'top-1':>8}{'s':>8}{'MiB':>7}")
-    rtn = {r["bits"]: r["ppl_delta"] for r in rows if r["method"] == "rtn"}
+    rtn = {r["bits"]: r["ppl_delta"] for r in rows if r["method"] == "rtn"}  # Δ/Δrtn: against symmetric RTN
     for r in rows:
         ratio = f"{r['ppl_delta'] / rtn[r['bits']]:.2f}" if rtn.get(r["bits"]) else ""
         sym = "" if r["symmetric"] is None else ("yes" if r["symmetric"] else "no")

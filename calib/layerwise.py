@@ -108,16 +108,31 @@ def linear_groups(layer: torch.nn.Module, inputs: LayerInputs) -> list[list[str]
     return groups
 
 
-def input_hessians(layer: torch.nn.Module, inputs: LayerInputs, names: list[str]) -> dict[str, torch.Tensor]:
-    """``H = 2/n Σ x xᵀ`` of the inputs of the named Linear modules over every calibration token."""
+@dataclass
+class InputStats:
+    """What the calibration tokens put into one Linear module, per input channel and jointly."""
+
+    hessian: torch.Tensor  # [in, in]: 2/n Σ x xᵀ (GPTQ's Hessian; xᵀx/n is the Gram matrix AWQ needs)
+    abs_mean: torch.Tensor  # [in]: mean |x|
+    abs_max: torch.Tensor  # [in]: max |x|
+    tokens: int
+
+
+def input_statistics(layer: torch.nn.Module, inputs: LayerInputs, names: list[str]) -> dict[str, InputStats]:
+    """Statistics of the inputs of the named Linear modules over every calibration token."""
     modules = dict(layer.named_modules())
     sums = {n: torch.zeros(modules[n].in_features, modules[n].in_features) for n in names}
+    abs_sums = {n: torch.zeros(modules[n].in_features, dtype=torch.float64) for n in names}
+    abs_max = {n: torch.zeros(modules[n].in_features) for n in names}
     counts = dict.fromkeys(names, 0)
 
     def collect(name: str) -> Callable:
         def hook(module, args):
             x = args[0].reshape(-1, args[0].shape[-1]).to(torch.float32)
             sums[name].addmm_(x.T, x)
+            a = x.abs()
+            abs_sums[name] += a.sum(0, dtype=torch.float64)
+            torch.maximum(abs_max[name], a.amax(0), out=abs_max[name])
             counts[name] += x.shape[0]
             if name == names[-1]:
                 raise _Captured  # the rest of the layer cannot change these inputs
@@ -135,8 +150,12 @@ def input_hessians(layer: torch.nn.Module, inputs: LayerInputs, names: list[str]
     finally:
         for h in handles:
             h.remove()
-    return {n: sums[n] * (2.0 / max(counts[n], 1)) for n in names}
+    return {
+        n: InputStats(sums[n] * (2.0 / max(counts[n], 1)), (abs_sums[n] / max(counts[n], 1)).float(), abs_max[n], counts[n])
+        for n in names
+    }
 
 
 def _output(result) -> torch.Tensor:
     return result[0] if isinstance(result, tuple) else result
+

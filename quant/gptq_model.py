@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from calib.layerwise import decoder_layers, first_layer_inputs, input_hessians, linear_groups, run_layer
+from calib.layerwise import decoder_layers, first_layer_inputs, input_statistics, linear_groups, run_layer
 from quant.gptq import GPTQResult, GPTQSettings, gptq_quantize
 from quant.types import InputError, QuantSpec
 
@@ -44,11 +44,11 @@ def gptq_model(
             names = [n for n in group if base + n in chosen]
             if not names:
                 continue
-            hessians = input_hessians(layer, inputs, names)
+            stats = input_statistics(layer, inputs, names)
             modules = dict(layer.named_modules())
             for n in names:
                 linear = modules[n]
-                result = gptq_quantize(linear.weight.data, hessians.pop(n), spec, settings, name=base + n)
+                result = gptq_quantize(linear.weight.data, stats.pop(n).hessian, spec, settings, name=base + n)
                 linear.weight.data = result.tensor.dequantize().to(linear.weight.dtype)
                 results[f"{base}{n}.weight"] = result
         inputs.hidden = run_layer(layer, inputs)

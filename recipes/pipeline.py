@@ -21,7 +21,7 @@ from evalsuite.metrics import causal_lm_logprobs, score
 from evalsuite.report import Report, VariantRow, write_report
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
 from recipes.importance import model_imatrix
-from recipes.schema import Calibration, GPTQWeights, Recipe, RTNWeights, Variant
+from recipes.schema import AWQWeights, Calibration, GPTQWeights, Recipe, RTNWeights, Variant
 from recipes.variants import build_variant, plan_variant
 
 
@@ -82,6 +82,8 @@ def _describe(variant: Variant) -> str:
     w = variant.weights
     if isinstance(w, RTNWeights):
         return f"rtn {w.spec.label}"
+    if isinstance(w, AWQWeights):
+        return f"awq {w.spec.label}"
     if isinstance(w, GPTQWeights):
         return f"gptq {w.spec.label}" + (" act-order" if w.act_order else "") + (" static-groups" if w.static_groups else "")
     return f"gguf {w.type}" + (" imatrix" if w.imatrix else "")

@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from quant.ggml import FILE_TYPES
+from quant.awq import AWQSettings
 from quant.gptq import GPTQSettings
 from quant.types import InputError, QuantSpec
 
@@ -67,6 +68,26 @@ class GPTQWeights(_Strict):
         return GPTQSettings(damp=self.damp, act_order=self.act_order, static_groups=self.static_groups)
 
 
+class AWQWeights(_Strict):
+    """AWQ on the decoder layers' Linear weights: activation-aware scales folded into the norms and
+    feeding Linear rows, clipping search, then round-to-nearest on the scaled weights."""
+
+    method: Literal["awq"]
+    bits: int = Field(ge=2, le=8)
+    symmetric: bool = False
+    group_size: int | None = Field(default=128, ge=1)
+    weight_term: bool = True  # the weight-magnitude term of the scale search
+    clip: bool = True
+
+    @property
+    def spec(self) -> QuantSpec:
+        return QuantSpec(self.bits, self.symmetric, "group" if self.group_size else "channel", self.group_size)
+
+    @property
+    def settings(self) -> AWQSettings:
+        return AWQSettings(weight_term=self.weight_term, clip=self.clip)
+
+
 class GGUFWeights(_Strict):
     """Every tensor encoded as llama.cpp's quantizer would for a GGUF file type."""
 
@@ -77,12 +98,12 @@ class GGUFWeights(_Strict):
 
 class Variant(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)
-    weights: Annotated[Union[RTNWeights, GPTQWeights, GGUFWeights], Field(discriminator="method")]
+    weights: Annotated[Union[RTNWeights, GPTQWeights, AWQWeights, GGUFWeights], Field(discriminator="method")]
     exports: list[Literal["safetensors", "gguf"]] = []
 
     @property
     def needs_calibration(self) -> bool:
-        return isinstance(self.weights, GPTQWeights) or getattr(self.weights, "imatrix", False)
+        return isinstance(self.weights, (GPTQWeights, AWQWeights)) or getattr(self.weights, "imatrix", False)
 
     @model_validator(mode="after")
     def _gguf_needs_gguf_weights(self) -> "Variant":

@@ -17,11 +17,12 @@ from rich.progress import Progress
 from formats.gguf import GGUFFileWriter, architecture_of, check_shapes, gguf_name, gguf_order
 from formats.hf import DenseSafetensorsWriter, HFCheckpoint, is_linear_weight, load_causal_lm
 from formats.modelfile import write_modelfile
+from quant.awq import awq_model
 from quant.ggml import FILE_TYPES, encode, tensor_types
 from quant.gptq_model import gptq_model, select_modules
 from quant.rtn import quantize_rtn
 from quant.types import InputError, TensorPayload, dequantized
-from recipes.schema import GGUFWeights, GPTQWeights, RTNWeights, Variant
+from recipes.schema import AWQWeights, GGUFWeights, GPTQWeights, RTNWeights, Variant
 
 Imatrix = dict[str, np.ndarray]  # HF weight name -> importance per input column
 
@@ -47,7 +48,7 @@ def plan_variant(ckpt: HFCheckpoint, variant: Variant, imatrix: bool = False) ->
     """Check a variant against the model's shapes and fix the tensor order and types; reads no data."""
     names = ckpt.names
     weights = variant.weights
-    if isinstance(weights, (RTNWeights, GPTQWeights)):
+    if isinstance(weights, (RTNWeights, GPTQWeights, AWQWeights)):
         spec = weights.spec
         targets = [n for n in names if is_linear_weight(n, ckpt.shape(n))]
         if not targets:
@@ -92,7 +93,7 @@ def build_variant(
     """
     plan = plan_variant(ckpt, variant, imatrix is not None)
     progress = progress or Progress(disable=True)
-    fitted = _fit(ckpt, variant, calibration, progress) if isinstance(variant.weights, GPTQWeights) else {}
+    fitted = _fit(ckpt, variant, calibration, progress) if isinstance(variant.weights, (GPTQWeights, AWQWeights)) else {}
     vdir = out_dir / variant.name
     writers: list = []
     if "safetensors" in variant.exports:
@@ -109,7 +110,7 @@ def build_variant(
     task = progress.add_task(f"{variant.name}: quantize + export", total=len(plan.names))
     try:
         for name in plan.names:
-            payload = fitted.pop(name, None) or _quantize(ckpt, variant, plan, name, imatrix)
+            payload = fitted.pop(name) if name in fitted else _quantize(ckpt, variant, plan, name, imatrix)
             weights = dequantized(payload) if keep_weights or "safetensors" in variant.exports else None
             for w in writers:
                 w.add(name, weights if isinstance(w, DenseSafetensorsWriter) else payload)
@@ -133,18 +134,24 @@ def build_variant(
 
 
 def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None, progress: Progress) -> dict[str, TensorPayload]:
-    """GPTQ on the whole model: the quantized tensors by name."""
-    if windows is None:
-        raise InputError(f"variant '{variant.name}': GPTQ needs calibration text (add 'calibration: {{text: ...}}')")
+    """GPTQ or AWQ on the whole model: every tensor of the decoder layers it produced, by name
+    (quantized weights, and for AWQ the norms and biases that absorbed its scales)."""
     weights = variant.weights
+    if windows is None:
+        raise InputError(f"variant '{variant.name}': {weights.method} needs calibration text (add 'calibration: {{text: ...}}')")
     model = load_causal_lm(ckpt)
-    task = progress.add_task(f"{variant.name}: GPTQ layers", total=len(model.model.layers))
+    task = progress.add_task(f"{variant.name}: {weights.method.upper()} layers", total=len(model.model.layers))
+    tick = lambda: progress.advance(task)  # noqa: E731
     try:
-        results = gptq_model(model, windows, weights.spec, weights.settings, weights.targets, weights.ignore,
-                             on_layer=lambda: progress.advance(task))
+        if isinstance(weights, GPTQWeights):
+            results = gptq_model(model, windows, weights.spec, weights.settings, weights.targets, weights.ignore, on_layer=tick)
+            return {name: r.tensor for name, r in results.items()}
+        fitted: dict[str, TensorPayload] = awq_model(model, windows, weights.spec, weights.settings, on_layer=tick)
     finally:
         progress.remove_task(task)
-    return {name: r.tensor for name, r in results.items()}
+    for name, param in model.model.layers.named_parameters(prefix="model.layers"):
+        fitted.setdefault(name, param.detach().clone())
+    return fitted
 
 
 def _quantize(ckpt: HFCheckpoint, variant: Variant, plan: Plan, name: str, imatrix: Imatrix | None) -> TensorPayload:
@@ -152,7 +159,7 @@ def _quantize(ckpt: HFCheckpoint, variant: Variant, plan: Plan, name: str, imatr
     explicit scan is only needed for tensors passed through unchanged."""
     tensor = ckpt.tensor(name)
     weights = variant.weights
-    if isinstance(weights, (RTNWeights, GPTQWeights)):
+    if not isinstance(weights, GGUFWeights):
         if isinstance(weights, RTNWeights) and is_linear_weight(name, tuple(tensor.shape)):
             return quantize_rtn(tensor, weights.spec, name)
         if not torch.isfinite(tensor).all():

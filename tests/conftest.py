@@ -25,6 +25,7 @@ SMALL_RECIPE = {
         {"name": "gptq-int4-g64-asym",
          "weights": {"method": "gptq", "bits": 4, "symmetric": False, "group_size": 64, "act_order": True},
          "exports": ["safetensors"]},
+        {"name": "awq-int4-g64", "weights": {"method": "awq", "bits": 4, "group_size": 64}, "exports": ["safetensors"]},
         {"name": "f16", "weights": {"method": "gguf", "type": "F16"}, "exports": ["gguf"]},
         {"name": "q8_0", "weights": {"method": "gguf", "type": "Q8_0"}, "exports": ["gguf"]},
         {"name": "q4_k_m-imatrix", "weights": {"method": "gguf", "type": "Q4_K_M", "imatrix": True}, "exports": ["gguf"]},

@@ -3,7 +3,7 @@ Hessians are those of the modules' real inputs."""
 
 import torch
 
-from calib.layerwise import decoder_layers, first_layer_inputs, input_hessians, linear_groups, run_layer
+from calib.layerwise import decoder_layers, first_layer_inputs, input_statistics, linear_groups, run_layer
 from calib.text import token_windows
 from conftest import BUNDLED, TINY
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
@@ -33,7 +33,7 @@ def test_linear_groups_follow_the_data_flow_of_a_llama_block():
                       ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
 
 
-def test_hessians_are_twice_the_mean_outer_product_of_the_inputs():
+def test_input_statistics_are_those_of_the_modules_real_inputs():
     model, windows = _tiny()
     inputs = first_layer_inputs(model, windows)
     layer = decoder_layers(model)[0]
@@ -42,5 +42,8 @@ def test_hessians_are_twice_the_mean_outer_product_of_the_inputs():
     run_layer(layer, inputs)
     handle.remove()
     x = torch.cat(seen).double()
-    H = input_hessians(layer, inputs, ["mlp.down_proj"])["mlp.down_proj"]
-    torch.testing.assert_close(H.double(), 2 * x.T @ x / len(x), rtol=1e-4, atol=1e-6)
+    stats = input_statistics(layer, inputs, ["mlp.down_proj"])["mlp.down_proj"]
+    assert stats.tokens == len(x)
+    torch.testing.assert_close(stats.hessian.double(), 2 * x.T @ x / len(x), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(stats.abs_mean.double(), x.abs().mean(0), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(stats.abs_max.double(), x.abs().amax(0))

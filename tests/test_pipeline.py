@@ -18,7 +18,7 @@ from recipes.schema import Variant
 def test_report_compares_every_variant_with_the_original(small_run):
     out, report = small_run
     rows = {r["name"]: r for r in report["variants"]}
-    assert list(rows) == ["original", "int8", "int4-g64-asym", "gptq-int4-g64-asym", "f16", "q8_0", "q4_k_m-imatrix"]
+    assert list(rows) == ["original", "int8", "int4-g64-asym", "gptq-int4-g64-asym", "awq-int4-g64", "f16", "q8_0", "q4_k_m-imatrix"]
     assert report["evaluation"]["windows"] == 2
     assert rows["original"]["kld"] is None and rows["original"]["tokens"] == 2 * 511
     assert 20 < rows["original"]["ppl"] < 200
@@ -38,6 +38,7 @@ def test_report_compares_every_variant_with_the_original(small_run):
     assert rows["gptq-int4-g64-asym"]["kld"] < 0.8 * rows["int4-g64-asym"]["kld"]
     assert rows["gptq-int4-g64-asym"]["method"] == "gptq int4-g64-asym act-order"
     assert rows["gptq-int4-g64-asym"]["bits_per_weight"] > rows["int4-g64-asym"]["bits_per_weight"]  # + g_idx
+    assert rows["awq-int4-g64"]["kld"] < rows["int4-g64-asym"]["kld"] and rows["awq-int4-g64"]["method"] == "awq int4-g64-asym"
     md = (out / "report.md").read_text()
     assert "| int4-g64-asym | rtn int4-g64-asym |" in md
     assert not list(out.rglob("*.partial"))
@@ -47,7 +48,8 @@ def test_every_export_listed_in_the_report_exists(small_run):
     out, report = small_run
     files = [f for r in report["variants"] for f in r["files"]]
     assert {f["path"] for f in files} == {
-        "int8/safetensors", "int4-g64-asym/safetensors", "gptq-int4-g64-asym/safetensors", "f16/tiny-F16.gguf", "q8_0/tiny-Q8_0.gguf",
+        "int8/safetensors", "int4-g64-asym/safetensors", "gptq-int4-g64-asym/safetensors", "awq-int4-g64/safetensors",
+        "f16/tiny-F16.gguf", "q8_0/tiny-Q8_0.gguf",
         "q4_k_m-imatrix/tiny-Q4_K_M.gguf",
     }
     for f in files:

@@ -1,0 +1,151 @@
+"""AWQ (Lin et al., 2023): protect the input channels that carry large activations by scaling them
+up before quantization and folding the inverse scale into the operation that feeds them.
+
+For a group of Linear modules sharing one input (q/k/v after the attention norm, gate/up after the
+MLP norm, o after v, down after up), a per-input-channel scale ``s = mean|x|^α / mean|ŵ|^(1-α)``
+(``ŵ`` the weights normalised per quantization group; the weight term is optional) multiplies the
+weights' columns, and the feeding norm's weight, or the feeding Linear's rows, is divided by it, so
+the float model computes exactly the same. The quantization grid then spends its precision on the
+scaled-up columns. ``α`` is searched on a grid of 20 for the least output error, then the range of
+each quantization group is searched for clipping (q and k are left unclipped, whose errors the
+attention softmax amplifies).
+
+Every output error is computed from the Gram matrix of the inputs, ``‖x·ΔWᵀ‖² = tr(ΔW·G·ΔWᵀ)``
+with ``G = Σ x xᵀ``, so the searches use all calibration tokens at the cost of one pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from calib.layerwise import InputStats, decoder_layers, first_layer_inputs, input_statistics, run_layer
+from quant.rtn import quantize_rtn
+from quant.types import InputError, QuantizedTensor, QuantSpec
+
+_GRID = 20
+_CLIP_STEPS = 10  # group ranges shrunk by 0%, 5%, ... 45%
+_NO_CLIP = ("q_proj", "k_proj")
+
+
+@dataclass(frozen=True)
+class AWQSettings:
+    weight_term: bool = True  # the mean-|ŵ| term of the scale ("duo scaling")
+    clip: bool = True
+
+
+def awq_model(
+    model: torch.nn.Module,
+    windows: torch.Tensor,
+    spec: QuantSpec,
+    settings: AWQSettings = AWQSettings(),
+    on_layer: Callable[[], None] | None = None,
+    quantize: bool = True,
+) -> dict[str, QuantizedTensor]:
+    """Scale, clip and quantize every decoder layer's Linear weights, layer by layer; the model is
+    changed in place (norms and feeding Linear rows absorb the scales). Returns the quantized
+    weights by name; with ``quantize=False`` only the (exactly equivalent) scaling is applied."""
+    layers = decoder_layers(model)
+    prefix = next(n for n, m in model.named_modules() if m is layers)
+    inputs = first_layer_inputs(model, windows)
+    results: dict[str, QuantizedTensor] = {}
+    for index, layer in enumerate(layers):
+        base = f"{prefix}.{index}."
+        modules = dict(layer.named_modules())
+        for feeder, targets in _mappings(modules):
+            stats = input_statistics(layer, inputs, targets[:1])[targets[0]]
+            scales = _search_scales([modules[t].weight.data for t in targets], stats, spec, settings)
+            _fold(modules[feeder], [modules[t] for t in targets], scales)
+        if quantize:
+            linears = [n for n, m in modules.items() if isinstance(m, torch.nn.Linear)]
+            stats = input_statistics(layer, inputs, linears)
+            for name in linears:
+                weight = modules[name].weight
+                if settings.clip and not name.endswith(_NO_CLIP):
+                    weight.data = _clip(weight.data, stats[name], spec, base + name)
+                quantized = quantize_rtn(weight.data, spec, base + name)
+                weight.data = quantized.dequantize().to(weight.dtype)
+                results[f"{base}{name}.weight"] = quantized
+        inputs.hidden = run_layer(layer, inputs)
+        if on_layer:
+            on_layer()
+    return results
+
+
+def _output_error(delta: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """``‖x·ΔWᵀ‖²`` summed over tokens and outputs, from the inputs' Gram matrix."""
+    return ((delta @ gram) * delta).sum()
+
+
+def _search_scales(weights: list[torch.Tensor], stats: InputStats, spec: QuantSpec, settings: AWQSettings) -> torch.Tensor:
+    """The per-input-channel scale (over α in 0, 1/20, ... 19/20) whose quantized weights give the
+    least output error."""
+    W = torch.cat([w.to(torch.float32) for w in weights])
+    gram = stats.hessian  # proportional to Σ x xᵀ: the same minimiser
+    x_mean = stats.abs_mean.clamp(min=1e-8)
+    if settings.weight_term:
+        group = spec.group_size if spec.granularity == "group" else W.shape[1]
+        w = W.abs().reshape(W.shape[0], -1, group)
+        w_mean = (w / w.amax(-1, keepdim=True).clamp(min=1e-12)).reshape_as(W).mean(0)
+    best, best_scales = None, torch.ones_like(x_mean)
+    for step in range(_GRID):
+        alpha = step / _GRID
+        scales = x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4) if settings.weight_term else x_mean.pow(alpha)
+        scales = scales.clamp(min=1e-4)
+        scales = scales / (scales.max() * scales.min()).sqrt()
+        Q = quantize_rtn(W * scales, spec).dequantize() / scales
+        err = _output_error(Q - W, gram)
+        if best is None or err < best:
+            best, best_scales = err, scales
+    return best_scales
+
+
+def _fold(feeder: torch.nn.Module, targets: list[torch.nn.Linear], scales: torch.Tensor) -> None:
+    """Multiply the targets' input columns by ``scales`` and divide what feeds them (a norm's
+    weight, or a Linear's output rows and bias) by the same: the float model is unchanged."""
+    with torch.no_grad():
+        feeder.weight.div_(scales.view(-1, *([1] * (feeder.weight.dim() - 1))).to(feeder.weight.dtype))
+        if getattr(feeder, "bias", None) is not None:
+            feeder.bias.div_(scales.to(feeder.bias.dtype))
+        for t in targets:
+            t.weight.mul_(scales.to(t.weight.dtype))
+
+
+def _clip(weight: torch.Tensor, stats: InputStats, spec: QuantSpec, name: str) -> torch.Tensor:
+    """Shrink each quantization group's range (by 0%, 5%, ... 45%) where that lowers the output
+    error of the group's slice of the product."""
+    out, n_in = weight.shape
+    group = spec.group_size if spec.granularity == "group" else n_in
+    W = weight.to(torch.float32).reshape(out, n_in // group, group)
+    blocks = torch.stack([stats.hessian[i : i + group, i : i + group] for i in range(0, n_in, group)])  # [ng, g, g]
+    top = W.abs().amax(-1, keepdim=True)
+    best_err, best = None, W
+    for step in range(_CLIP_STEPS):
+        clipped = W.clamp(-top * (1 - step / 20), top * (1 - step / 20))
+        Q = quantize_rtn(clipped.reshape(out, n_in), spec, name).dequantize().reshape_as(W)
+        delta = Q - W
+        err = torch.einsum("ogi,gij,ogj->og", delta, blocks, delta)
+        if best_err is None:
+            best_err, best = err, clipped
+        else:
+            better = (err < best_err).unsqueeze(-1)
+            best_err = torch.where(better[..., 0], err, best_err)
+            best = torch.where(better, clipped, best)
+    return best.reshape(out, n_in).to(weight.dtype)
+
+
+def _mappings(modules: dict[str, torch.nn.Module]) -> list[tuple[str, list[str]]]:
+    """(feeding module, Linear modules it feeds) in a Llama/Mistral/Qwen2 block. The v -> o pair
+    is skipped under grouped-query attention, where v's rows do not line up with o's columns."""
+    need = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    missing = [n for n in need if n not in modules]
+    if missing:
+        raise InputError(f"AWQ: decoder layer has no '{missing[0]}' (supported: Llama, Mistral, Qwen2 blocks)")
+    pairs = [("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"])]
+    if modules["self_attn.v_proj"].out_features == modules["self_attn.o_proj"].in_features:
+        pairs.append(("self_attn.v_proj", ["self_attn.o_proj"]))
+    pairs += [("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"]), ("mlp.up_proj", ["mlp.down_proj"])]
+    return pairs

@@ -1,0 +1,47 @@
+"""AWQ: folding the scales leaves the float model unchanged, and the quantized model beats RTN."""
+
+import copy
+
+import torch
+
+from calib.text import sample_windows, token_windows
+from conftest import BUNDLED, EVAL_TEXT, TINY
+from evalsuite.metrics import causal_lm_logprobs, score
+from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
+from quant.awq import awq_model
+from quant.rtn import quantize_rtn
+from quant.types import QuantSpec
+
+SPEC = QuantSpec(4, False, "group", 128)
+
+
+def _setup():
+    ckpt = HFCheckpoint.open(TINY)
+    tok = load_tokenizer(ckpt)
+    return load_causal_lm(ckpt), sample_windows(tok, BUNDLED / "calib.txt", 512, 16), token_windows(tok, EVAL_TEXT, 512, 4)
+
+
+def test_folded_scales_leave_the_float_model_unchanged():
+    model, calib, evaluation = _setup()
+    folded = copy.deepcopy(model)
+    awq_model(folded, calib[:4], SPEC, quantize=False)
+    moved = max((a - b).abs().max().item() for a, b in zip(folded.parameters(), model.parameters()))
+    assert moved > 0.1  # the norms and Linear weights really were rescaled
+    with torch.inference_mode():
+        torch.testing.assert_close(folded(input_ids=evaluation).logits, model(input_ids=evaluation).logits, rtol=0, atol=1e-4)
+
+
+def test_awq_moves_the_model_less_than_rtn_on_the_same_grid():
+    model, calib, evaluation = _setup()
+    reference = causal_lm_logprobs(model)
+    rtn = copy.deepcopy(model)
+    for name, module in rtn.model.layers.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight.data = quantize_rtn(module.weight.data, SPEC).dequantize()
+    awq = copy.deepcopy(model)
+    results = awq_model(awq, calib, SPEC)
+    assert len(results) == 7 * len(model.model.layers)
+    name = "model.layers.0.mlp.down_proj.weight"
+    torch.testing.assert_close(results[name].dequantize(), dict(awq.named_parameters())[name])  # model holds the quantized weights
+    kld = lambda m: score(causal_lm_logprobs(m), evaluation, reference).kld
+    assert kld(awq) < 0.95 * kld(rtn)
