@@ -40,12 +40,12 @@ def gptq_model(
     results: dict[str, GPTQResult] = {}
     for index, layer in enumerate(layers):
         base = f"{prefix}.{index}."
+        modules = dict(layer.named_modules())
         for group in linear_groups(layer, inputs):
             names = [n for n in group if base + n in chosen]
             if not names:
                 continue
             stats = input_statistics(layer, inputs, names)
-            modules = dict(layer.named_modules())
             for n in names:
                 linear = modules[n]
                 result = gptq_quantize(linear.weight.data, stats.pop(n).hessian, spec, settings, name=base + n)

@@ -65,6 +65,38 @@ import gptqmodel.quantization.config'
             "accelerate==1.15.0" \
             "numpy==2.2.6"
         ;;
+    llmcompressor)
+        # llm-compressor 0.14.0.1 + compressed-tensors 0.19.0 work here only with
+        # torch 2.13.0 in the same pip command; llmcompressor pins
+        # transformers<=5.17, hence its own venv (main venv: transformers 5.24).
+        # Used by bench/anchors/llmcompressor_awq.py (AWQ, CPU).
+        CHECK='import importlib.metadata as m
+assert m.version("llmcompressor") == "0.14.0.1", m.version("llmcompressor")
+assert m.version("compressed-tensors") == "0.19.0", m.version("compressed-tensors")
+assert m.version("torch").startswith("2.13.0"), m.version("torch")
+assert m.version("transformers") == "5.17.0", m.version("transformers")
+import torch, safetensors, transformers, datasets, compressed_tensors
+from llmcompressor import oneshot
+from llmcompressor.modifiers.transform.awq import AWQModifier
+from llmcompressor.pipelines.cache import IntermediatesCache
+assert hasattr(IntermediatesCache, "pin_memory")
+from compressed_tensors.entrypoints.convert import convert_checkpoint
+from compressed_tensors.entrypoints.convert.converters import CompressedTensorsDequantizer'
+        if [ "${ANCHOR_FORCE:-0}" != 1 ] && venv_ok "$CHECK"; then
+            echo "anchor llmcompressor: $VENV already set up"
+            exit 0
+        fi
+        fresh_venv
+        pip_install "$TORCH_PIN" \
+            "llmcompressor==0.14.0.1" \
+            "compressed-tensors==0.19.0" \
+            "transformers==5.17.0" \
+            "tokenizers==0.23.3" \
+            "safetensors==0.8.0" \
+            "accelerate==1.15.0" \
+            "datasets==5.2.0" \
+            "numpy==2.4.6"
+        ;;
     *)
         echo "setup.sh: unknown anchor '$NAME'" >&2
         usage
