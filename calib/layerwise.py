@@ -82,11 +82,11 @@ def run_layer(layer: torch.nn.Module, inputs: LayerInputs) -> torch.Tensor:
 
 def linear_groups(layer: torch.nn.Module, inputs: LayerInputs) -> list[list[str]]:
     """The layer's Linear modules (names relative to the layer), grouped by shared input, in call order."""
-    calls: list[tuple[str, int]] = []
+    calls: list[tuple[str, torch.Tensor]] = []  # holding the inputs keeps their memory from being reused
 
     def record(name: str) -> Callable:
         def hook(module, args):
-            calls.append((name, args[0].data_ptr()))
+            calls.append((name, args[0]))
 
         return hook
 
@@ -99,12 +99,12 @@ def linear_groups(layer: torch.nn.Module, inputs: LayerInputs) -> list[list[str]
             h.remove()
     groups: list[list[str]] = []
     last_input = None
-    for name, ptr in calls:
-        if groups and ptr == last_input:
+    for name, x in calls:
+        if groups and x is last_input:
             groups[-1].append(name)
-        elif not any(name in g for g in groups):
+        else:
             groups.append([name])
-        last_input = ptr
+        last_input = x
     return groups
 
 

@@ -42,6 +42,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("LOGBAR_ANIMATION", "0")  # fewer progress-bar redraws in captured logs
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -366,6 +367,7 @@ def export_dense(gptq_dir: Path, model_dir: Path, dense_dir: Path, dense_dtype_o
     dense_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in dense.items()}, str(dense_dir / "model.safetensors"),
               metadata={"format": "pt"})
+    os.chmod(dense_dir / "model.safetensors", 0o644)
     cfg = dict(orig_cfg)
     cfg.pop("quantization_config", None)
     cfg.pop("torch_dtype", None)
