@@ -22,6 +22,19 @@ The dense weights are float32 by default: (q - z) * scale with an fp16 scale is
 exact in float32 but not in bf16.  ``--dense-dtype model`` keeps the model's
 dtype instead (bf16 for the shared models; rounding error ~2^-9 relative).
 
+What GPTQModel 7.6.0 does here (see anchor.json "gptqmodel_settings"):
+  - loads the model in bf16 on CPU and runs the calibration forwards in bf16;
+    Hessians are accumulated in float32 from those bf16 activations;
+  - true_sequential=True: each decoder layer is replayed once per module subset
+    (qkv, o, gate/up, down) plus once after quantization, batch_size windows
+    per forward (default 1; a different batch size changes results at noise
+    level because the bf16 activations differ slightly);
+  - act_group_aware (GAR, a group-aware column reordering) is ON by default
+    when desc_act is off; --act-group-aware off gives textbook GPTQ;
+  - static_groups=False, mse=0 (plain absmax scale), sym zero-point 2^(b-1),
+    block size 128; damp_percent is raised in steps of damp_auto_increment
+    only when a Cholesky fails (reported in damp_raised_modules).
+
 Only safetensors/json are read (no pickle).  Exit status 2 with a one-line
 message for a missing/invalid model folder or windows file.
 """
@@ -104,6 +117,10 @@ def check_inputs(args: argparse.Namespace):
         die(f"windows file not found: {win}")
     if args.group_size != -1 and args.group_size <= 0:
         die(f"--group-size must be -1 or positive, got {args.group_size}")
+    if args.act_order and args.act_group_aware == "on":
+        die("--act-group-aware on cannot be combined with --act-order (GPTQModel refuses both)")
+    if args.batch_size < 1:
+        die(f"--batch-size must be >= 1, got {args.batch_size}")
     if not (0.0 < args.damp < 1.0):
         die(f"--damp must be in (0, 1), got {args.damp}")
 
@@ -197,12 +214,17 @@ def dequantize_gptq(qweight, qzeros, scales, g_idx, bits: int, zero_offset: int)
 def main(argv=None) -> int:
     args = parse_args(argv)
     model_dir, windows = check_inputs(args)
-    out = Path(args.out)
+    model_dir = model_dir.resolve()
+    out = Path(args.out).resolve()
     gptq_dir, dense_dir = out / "gptq", out / "dense"
     out.mkdir(parents=True, exist_ok=True)
     for d in (gptq_dir, dense_dir):
         if d.exists():
             shutil.rmtree(d)
+
+    # GPTQModel writes per-run logs to ./logs/ (relative to the working directory):
+    # keep them in OUT_DIR/logs instead of the caller's tree.
+    os.chdir(out)
 
     import torch
 
@@ -210,7 +232,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
 
     import gptqmodel
-    from gptqmodel import BACKEND, GPTQModel
+    from gptqmodel import GPTQModel
     from gptqmodel.quantization.config import GPTQConfig
 
     aga = {"auto": None, "on": True, "off": False}[args.act_group_aware]
@@ -232,6 +254,7 @@ def main(argv=None) -> int:
     load_s = time.perf_counter() - load_t0
     calib = [{"input_ids": row.clone(), "attention_mask": torch.ones_like(row)} for row in windows]
     rss_before = peak_rss_mb()
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     model.quantize(
         calib,
@@ -240,6 +263,8 @@ def main(argv=None) -> int:
         calibration_data_min_length=0,     # never drop a window
     )
     seconds = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu_seconds = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
     rss_quant = peak_rss_mb()
 
     resolved = {
@@ -266,6 +291,18 @@ def main(argv=None) -> int:
     except Exception:
         quant_log = None
 
+    damps = []
+    for row in quant_log or []:
+        try:
+            damps.append((f"{row.get('layer')}.{row.get('module')}", float(row.get("damp"))))
+        except (TypeError, ValueError):
+            pass
+    damp_raised = [name for name, d in damps if d > args.damp + 1e-9]
+    try:
+        calib_dtype = str(next(model.model.parameters()).dtype).replace("torch.", "")
+    except Exception:
+        calib_dtype = None
+
     model.save(str(gptq_dir))
     del model
     import gc
@@ -290,6 +327,7 @@ def main(argv=None) -> int:
         "seconds": round(seconds, 3),
         "peak_rss_mb": round(rss_quant, 1),
         "dense_dtype": dense_info["dense_dtype"],
+        "cpu_seconds": round(cpu_seconds, 3),   # user+sys of all threads during quantize()
         "model": str(model_dir.resolve()),
         "model_dtype": dense_info["model_dtype"],
         "load_seconds": round(load_s, 3),
@@ -303,13 +341,16 @@ def main(argv=None) -> int:
             "transformers": __import__("transformers").__version__,
         },
         "gptqmodel_settings": resolved,
+        "calibration_forward_dtype": calib_dtype,
+        "damp_max_used": max((d for _, d in damps), default=None),
+        "damp_raised_modules": damp_raised,
         **{k: v for k, v in dense_info.items() if k not in ("dense_dtype", "model_dtype")},
         "verify": verify,
         "quant_log": quant_log,
     }
     (out / "anchor.json").write_text(json.dumps(info, indent=2) + "\n")
     summary = {k: info[k] for k in ("tool", "version", "bits", "group_size", "act_order", "damp", "windows",
-                                    "seconds", "peak_rss_mb", "dense_dtype")}
+                                    "seconds", "cpu_seconds", "peak_rss_mb", "dense_dtype")}
     summary["verify"] = verify
     print("ANCHOR " + json.dumps(summary))
     return 0

@@ -315,7 +315,8 @@ def main(argv=None) -> int:
     ]
 
     # Exactly the given windows: pre-tokenized dataset (llm-compressor then skips
-    # its own tokenization), all N used, in order, no truncation (max_seq_length=L).
+    # its own tokenization), all N used (no shuffling; its length-aware sampler only
+    # reorders, and all windows have length L), no truncation (max_seq_length=L).
     ds = Dataset.from_dict(
         {"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()}
     )
