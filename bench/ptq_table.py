@@ -3,13 +3,16 @@
     python bench/ptq_table.py --model DIR --calib FILE --eval FILE [--json]
         [--bits 4 3] [--group-size 128] [--calib-windows 128] [--window 512] [--seed 0]
         [--eval-windows N] [--methods rtn rtn-mse gptq gptq-actorder rtn-asym awq gptqmodel llmcompressor-awq]
+        [--work DIR]
 
 Every method quantizes the decoder's Linear weights (the output head is left alone) from the
 same calibration windows: ``--calib-windows`` windows of ``--window`` tokens drawn with ``--seed`` from
 the calibration text, written once to a safetensors file that the anchors read too. Each method
 runs in its own process, so its time and peak RSS are its own, and leaves a dense float model that
 this process then scores against the unquantized one on the evaluation text (consecutive
-512-token windows): perplexity, its increase, KL divergence and top-1 agreement.
+512-token windows): perplexity, its increase, KL divergence and top-1 agreement. With ``--work DIR``
+the windows and every method's output stay in DIR, and a method whose output is already there (same
+windows) is scored without being run again, so a long table can be built over several runs.
 
 Anchors are the maintained tools users would otherwise pick, each in its own virtualenv
 (``bench/anchors/setup.sh NAME``): ``gptqmodel`` (GPTQModel 7.6.0's GPTQ, same bits, group size,
@@ -37,7 +40,9 @@ sys.path.insert(0, str(REPO))
 
 OURS = ("rtn", "rtn-mse", "gptq", "gptq-actorder", "rtn-asym", "awq")
 ANCHORS = {  # method -> (virtualenv, script, extra arguments)
-    "gptqmodel": ("gptqmodel", "gptqmodel_quantize.py", []),
+    # GPTQModel's group-aware reordering off: textbook GPTQ, the same algorithm as our 'gptq' row
+    # (with it on, its default, perplexity came out higher on this model: see docs/ptq.md).
+    "gptqmodel": ("gptqmodel", "gptqmodel_quantize.py", ["--act-group-aware", "off"]),
     "llmcompressor-awq": ("llmcompressor", "llmcompressor_awq.py", []),
 }
 SYMMETRIC = {"rtn-asym": False, "awq": False, "llmcompressor-awq": False}
@@ -58,10 +63,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-windows", type=int, default=None)
     parser.add_argument("--methods", nargs="+", default=[*OURS, *ANCHORS], choices=[*OURS, *ANCHORS])
+    parser.add_argument("--work", type=Path, default=None, help="keep windows and outputs here; reuse finished methods")
     args = parser.parse_args()
 
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
 
     from calib.text import sample_windows, token_windows
     from evalsuite.metrics import causal_lm_logprobs, score
@@ -75,8 +81,11 @@ def main() -> None:
         evaluation = token_windows(tokenizer, args.eval, 512, args.eval_windows)
     except InputError as e:
         sys.exit(f"error: {e}")
-    work = Path(tempfile.mkdtemp(prefix="ptq_table_"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="ptq_table_"))
+    work.mkdir(parents=True, exist_ok=True)
     windows_file = work / "windows.safetensors"
+    if windows_file.exists() and not torch.equal(load_file(str(windows_file))["input_ids"], calib):
+        sys.exit(f"error: {windows_file} holds other calibration windows: use a fresh --work folder")
     save_file({"input_ids": calib.contiguous()}, str(windows_file))
     log(f"calibration: {len(calib)} windows of {args.window} tokens (seed {args.seed}); evaluation: {len(evaluation)} windows of 512")
 
@@ -104,7 +113,12 @@ def main() -> None:
 
 
 def run_method(method: str, bits: int, args, windows_file: Path, out: Path) -> dict | None:
-    """Quantize in a child process; returns its seconds and peak RSS, or None for a missing anchor."""
+    """Quantize in a child process; returns its seconds and peak RSS, or None for a missing anchor.
+    An output left by an earlier run in the same work folder is reused."""
+    if (out / "anchor.json").exists() and (out / "dense").is_dir():
+        log(f"{method} w{bits}: reusing {out}")
+        result = json.loads((out / "anchor.json").read_text())
+        return {"seconds": result["seconds"], "peak_rss_mb": result["peak_rss_mb"]}
     common = ["--model", str(args.model), "--windows", str(windows_file), "--bits", str(bits),
               "--group-size", str(args.group_size), "--out", str(out)]
     if method in OURS:
