@@ -49,6 +49,8 @@ import sys
 import time
 from pathlib import Path
 
+import common
+
 # GPTQModel sizes its CPU thread pool from this at import time.
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -57,28 +59,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("LOGBAR_ANIMATION", "0")  # fewer progress-bar redraws in captured logs
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
+TOOL = "gptqmodel_quantize"
 
 
 def die(msg: str, code: int = 2) -> None:
-    print(f"gptqmodel_quantize: error: {msg}", file=sys.stderr)
-    sys.exit(code)
-
-
-def peak_rss_mb() -> float:
-    # ru_maxrss is in KiB on Linux.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    common.die(TOOL, msg, code)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -106,15 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_inputs(args: argparse.Namespace):
     model = Path(args.model)
-    if not model.is_dir():
-        die(f"model folder not found: {model}")
-    if not (model / "config.json").is_file():
-        die(f"no config.json in model folder: {model}")
-    if not (list(model.glob("*.safetensors"))):
-        die(f"no *.safetensors weights in model folder: {model}")
-    win = Path(args.windows)
-    if not win.is_file():
-        die(f"windows file not found: {win}")
+    common.check_model_dir(TOOL, model)
     if args.group_size != -1 and args.group_size <= 0:
         die(f"--group-size must be -1 or positive, got {args.group_size}")
     if args.act_order and args.act_group_aware == "on":
@@ -124,25 +101,7 @@ def check_inputs(args: argparse.Namespace):
     if not (0.0 < args.damp < 1.0):
         die(f"--damp must be in (0, 1), got {args.damp}")
 
-    import torch
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(win), framework="pt") as f:
-            keys = list(f.keys())
-            if "input_ids" not in keys:
-                die(f"windows file {win} has no 'input_ids' tensor (keys: {keys})")
-            ids = f.get_tensor("input_ids")
-    except SystemExit:
-        raise
-    except Exception as exc:  # not a safetensors file, truncated, ...
-        die(f"cannot read windows file {win}: {type(exc).__name__}: {exc}")
-    if ids.dtype != torch.int64 or ids.dim() != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
-        die(f"windows 'input_ids' must be a non-empty int64 [N, L] tensor, got {ids.dtype} {tuple(ids.shape)}")
-    cfg = json.loads((model / "config.json").read_text())
-    vocab = cfg.get("vocab_size")
-    if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        die(f"windows hold token ids outside [0, {vocab})")
+    ids = common.load_windows(TOOL, Path(args.windows), model)
     return model, ids
 
 
@@ -253,7 +212,7 @@ def main(argv=None) -> int:
     model = GPTQModel.load(str(model_dir), quantize_config=qcfg)
     load_s = time.perf_counter() - load_t0
     calib = [{"input_ids": row.clone(), "attention_mask": torch.ones_like(row)} for row in windows]
-    rss_before = peak_rss_mb()
+    rss_before = common.peak_rss_mb()
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     model.quantize(
@@ -265,7 +224,7 @@ def main(argv=None) -> int:
     seconds = time.perf_counter() - t0
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu_seconds = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
-    rss_quant = peak_rss_mb()
+    rss_quant = common.peak_rss_mb()
 
     resolved = {
         "damp_percent": qcfg.damp_percent,
@@ -332,7 +291,7 @@ def main(argv=None) -> int:
         "model_dtype": dense_info["model_dtype"],
         "load_seconds": round(load_s, 3),
         "peak_rss_mb_before_quantize": round(rss_before, 1),
-        "peak_rss_mb_end": round(peak_rss_mb(), 1),
+        "peak_rss_mb_end": round(common.peak_rss_mb(), 1),
         "cpu_workers": int(os.environ["GPTQMODEL_CPU_WORKERS"]),
         "torch_threads": torch.get_num_threads(),
         "versions": {
@@ -414,10 +373,7 @@ def export_dense(gptq_dir: Path, model_dir: Path, dense_dir: Path, dense_dtype_o
     cfg.pop("torch_dtype", None)
     cfg["dtype"] = dense_dtype_name
     (dense_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    for name in TOKENIZER_FILES:
-        src = model_dir / name
-        if src.is_file():
-            shutil.copy2(src, dense_dir / name)
+    common.copy_tokenizer_files(model_dir, dense_dir)
     return {
         "dense_dtype": dense_dtype_name,
         "model_dtype": model_dtype_name,

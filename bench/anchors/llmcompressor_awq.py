@@ -41,11 +41,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
-import sys
 import time
 from pathlib import Path
+
+import common
 
 # Offline machine: never let transformers / datasets / llmcompressor reach the hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -54,23 +54,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-TOOL = "llmcompressor-awq"
-# Files copied from --model into compressed/ and dense/ (those present).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-)
+TOOL = "llmcompressor_awq"
 
 
 def die(msg: str, code: int = 2) -> None:
-    print(f"llmcompressor_awq: error: {msg}", file=sys.stderr)
-    raise SystemExit(code)
+    common.die(TOOL, msg, code)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -97,29 +85,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_windows(path: Path):
-    import torch
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file  # no pickle
-
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        die(f"cannot read windows file {path}: {e}")
-    if "input_ids" not in tensors:
-        die(f"windows file {path} has no 'input_ids' tensor (has {sorted(tensors)})")
-    ids = tensors["input_ids"]
-    if ids.dtype != torch.int64 or ids.dim() != 2 or ids.numel() == 0:
-        die(f"windows file {path}: input_ids must be a non-empty int64 [N, L] tensor, "
-            f"got {ids.dtype} {tuple(ids.shape)}")
-    return ids
-
-
-def peak_rss_mb() -> float:
-    # Linux: ru_maxrss is in KiB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
 def patch_pin_memory_for_cpu() -> None:
     """Workaround (llmcompressor 0.14): AWQModifier._apply_smoothing calls
     IntermediatesCache.pin_memory() on every cached batch before its grid search,
@@ -136,12 +101,6 @@ def patch_pin_memory_for_cpu() -> None:
         return None
 
     IntermediatesCache.pin_memory = _no_pin
-
-
-def copy_tokenizer_files(src: Path, dst: Path) -> None:
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, dst / name)
 
 
 def scale_dtype_of(ckpt: Path):
@@ -205,7 +164,7 @@ def make_dense(compressed: Path, dense: Path, model_dir: Path) -> str:
         "model.safetensors"
     }:
         index.unlink()
-    copy_tokenizer_files(model_dir, dense)
+    common.copy_tokenizer_files(model_dir, dense)
     # sanity: no quantization params may be left
     from safetensors import safe_open
 
@@ -247,10 +206,7 @@ def main(argv=None) -> int:
     model_dir = Path(args.model)
     windows_path = Path(args.windows)
     out_dir = Path(args.out)
-    if not model_dir.is_dir() or not (model_dir / "config.json").is_file():
-        die(f"model folder not found (or has no config.json): {model_dir}")
-    if not windows_path.is_file():
-        die(f"windows file not found: {windows_path}")
+    common.check_model_dir(TOOL, model_dir)
     if args.bits < 1 or args.bits > 8:
         die(f"--bits must be in 1..8, got {args.bits}")
     if args.group_size < 1:
@@ -261,7 +217,7 @@ def main(argv=None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    ids = load_windows(windows_path)
+    ids = common.load_windows(TOOL, windows_path, model_dir)
     n, seq_len = map(int, ids.shape)
 
     import compressed_tensors
@@ -333,14 +289,14 @@ def main(argv=None) -> int:
         batch_size=args.batch_size,
     )
     seconds = time.perf_counter() - t0
-    rss_oneshot = peak_rss_mb()
+    rss_oneshot = common.peak_rss_mb()
     print(f"[anchor] oneshot done: {seconds:.1f} s, peak RSS {rss_oneshot:.0f} MB", flush=True)
 
     if compressed_dir.exists():
         shutil.rmtree(compressed_dir)
     model.save_pretrained(str(compressed_dir), save_compressed=True)
     tokenizer.save_pretrained(str(compressed_dir))
-    copy_tokenizer_files(model_dir, compressed_dir)
+    common.copy_tokenizer_files(model_dir, compressed_dir)
     if (model_dir / "generation_config.json").is_file() and not (
         compressed_dir / "generation_config.json"
     ).is_file():
@@ -387,7 +343,7 @@ def main(argv=None) -> int:
             "ignore": ["lm_head"],
             "weight_observer": "memoryless_minmax (no clipping search)",
         },
-        "peak_rss_mb_total": round(peak_rss_mb(), 1),
+        "peak_rss_mb_total": round(common.peak_rss_mb(), 1),
         "logits_check": check,
     }
     (out_dir / "anchor.json").write_text(json.dumps(info, indent=2) + "\n")
@@ -396,4 +352,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())
