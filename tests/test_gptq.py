@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from quant.gptq import GPTQSettings, gptq_quantize
-from quant.rtn import fit_grid, quantize_rtn, round_to_grid
+from quant.rtn import fit_grid, grid_values, quantize_rtn, round_to_grid
 from quant.types import InputError, QuantSpec
 
 
@@ -36,15 +36,15 @@ def naive_obs(W, H, spec, damp, order, static_groups):
                 cols = [c for c in range(n_in) if c // group == g] if static_groups else order[pos : pos + group]
                 src = W0 if static_groups else W
                 s, z = fit_grid(src[:, cols].float().unsqueeze(1), spec)
-                params[g] = (s[:, 0].double(), z[:, 0].double())
+                params[g] = (s[:, 0], z[:, 0])
         else:
             if 0 not in params:
                 s, z = fit_grid(W.float().unsqueeze(1), spec)
-                params[0] = (s[:, 0].double(), z[:, 0].double())
+                params[0] = (s[:, 0], z[:, 0])
             g = 0
         s, z = params[g]
-        q = round_to_grid(W[:, j], s, z, spec.bits)
-        Q[:, j] = (q - z) * s
+        q = round_to_grid(W[:, j].float(), s, z, spec)  # the grid is float32, as the quantizers use it
+        Q[:, j] = grid_values(q, s, z, spec).double()
         err = (W[:, j] - Q[:, j]) / Hinv[j, j]
         W -= err.unsqueeze(1) * Hinv[j].unsqueeze(0)
         Hinv = Hinv - Hinv[:, j : j + 1] @ Hinv[j : j + 1, :] / Hinv[j, j]
