@@ -98,14 +98,12 @@ def _bounds(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tenso
     include 0. ``percentile`` clips it at the percentile of the magnitudes (symmetric) or at the
     (100 - p, p) percentiles (asymmetric); per-tensor specs take it over the whole tensor."""
     x = w.reshape(-1) if spec.granularity == "tensor" else w
-    q = spec.percentile / 100 if spec.range == "percentile" else 1.0
-    if spec.symmetric:
-        hi = x.abs().amax(dim=-1) if q == 1.0 else _quantile(x.abs(), q)
-        lo = -hi
+    if spec.range == "percentile":
+        q = spec.percentile / 100
+        lo, hi = (None, _quantile(x.abs(), q)) if spec.symmetric else (_quantile(x, 1.0 - q), _quantile(x, q))
     else:
-        lo = x.amin(dim=-1) if q == 1.0 else _quantile(x, 1.0 - q)
-        hi = x.amax(dim=-1) if q == 1.0 else _quantile(x, q)
-        lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
+        lo, hi = (None, x.abs().amax(dim=-1)) if spec.symmetric else (x.amin(dim=-1), x.amax(dim=-1))
+    lo, hi = (-hi, hi) if spec.symmetric else (lo.clamp(max=0.0), hi.clamp(min=0.0))
     return lo.expand(w.shape[:-1]), hi.expand(w.shape[:-1])
 
 
