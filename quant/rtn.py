@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from quant.types import FOUR_BIT_CODES, InputError, QuantizedTensor, QuantSpec, code_values, format_max, fp8_dtype
+from quant.types import FORMAT_MAX, FOUR_BIT_CODES, FP8_DTYPES, InputError, QuantizedTensor, QuantSpec, code_values
 
 _FP16_TINY = 2.0**-24  # smallest positive fp16 (subnormal): a scale must survive the fp16 round trip
 _RECIPROCAL_FLOOR = 1e-38  # bitsandbytes' floor on a block's absmax before it takes the reciprocal
@@ -27,7 +27,7 @@ def quantize_rtn(weight: torch.Tensor, spec: QuantSpec, name: str = "tensor") ->
     ``2**(bits-1)``, so the largest weight is represented exactly and nothing clips. Asymmetric:
     the range ``[min, max]`` (widened to include 0, so zeros stay exact) is split into
     ``2**bits - 1`` steps. Float formats keep float32 scales (bitsandbytes stores its absmax in
-    float32, fp8 checkpoints their scales too): ``scale = absmax / format_max``.
+    float32, fp8 checkpoints their scales too): ``scale = absmax / FORMAT_MAX``.
     """
     if weight.dim() != 2:
         raise InputError(f"{name}: RTN quantizes 2-D weights, got shape {tuple(weight.shape)}")
@@ -39,7 +39,7 @@ def quantize_rtn(weight: torch.Tensor, spec: QuantSpec, name: str = "tensor") ->
 
 def _groups(w: torch.Tensor, spec: QuantSpec, name: str) -> torch.Tensor:
     """``w [out, in]`` as ``[rows, n_groups, elements]``: the weights sharing each scale along the
-    last dimension. A ``B x B`` block's rows go to ``[out/B, in/B, B*B]``."""
+    last dimension; ``B x B`` blocks become ``[out/B, in/B, B*B]``."""
     out, n_in = w.shape
     if spec.granularity == "block":
         b = spec.group_size
@@ -122,7 +122,7 @@ def _quantile(x: torch.Tensor, q: float) -> torch.Tensor:
 def _grid(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, shrink: float, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero-point of each group for its range ``(lo, hi)`` shrunk by ``shrink``."""
     if spec.format != "int":
-        scales = shrink * hi / format_max(spec.format)
+        scales = shrink * hi / FORMAT_MAX[spec.format]
         return scales, torch.zeros_like(scales)
     if spec.symmetric:
         scales = _fp16_scale(shrink * hi / (2 ** (spec.bits - 1) - 1), name)
@@ -138,16 +138,16 @@ def round_to_grid(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, sp
 
     Integers: ``round(w / scale) + zero`` in ``[0, 2**bits - 1]``. Float formats first map ``w``
     onto the format's own range by multiplying with ``1 / scale``, as bitsandbytes does (so nf4
-    and fp4 codes equal its codes bit for bit), and clamp it to ``±format_max``. fp8 then takes
+    and fp4 codes equal its codes bit for bit), and clamp it to ``±FORMAT_MAX``. fp8 then takes
     torch's cast (round to nearest even); nf4/fp4 the nearest table entry, a value exactly
     halfway going to the lower one, as bitsandbytes' ``quantize_4bit`` does."""
     if spec.format == "int":
         return (torch.round(w / scales) + zeros).clamp(0, 2**spec.bits - 1).to(torch.uint8)
-    top = format_max(spec.format)
+    top = FORMAT_MAX[spec.format]
     unit = (w * (1.0 / scales.clamp(min=_RECIPROCAL_FLOOR))).clamp(-top, top)
     if spec.format in FOUR_BIT_CODES:
         return _nearest_four_bit(unit, spec.format)
-    return unit.to(fp8_dtype(spec.format)).view(torch.uint8)
+    return unit.to(FP8_DTYPES[spec.format]).view(torch.uint8)
 
 
 def grid_values(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -157,12 +157,13 @@ def grid_values(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
 
 
 def _nearest_four_bit(unit: torch.Tensor, fmt: str) -> torch.Tensor:
-    """The code of the table value nearest to each ``unit`` value: the number of midpoints below it
-    (what bitsandbytes' ``torch.bucketize`` computes; counting with 15 whole-tensor comparisons
-    is as fast on large tensors and avoids bucketize's thread start-up on GPTQ's single columns,
-    which made it a hundred times slower there)."""
+    """The code of the table value nearest to each ``unit`` value: the number of midpoints below it,
+    which is what bitsandbytes' ``torch.bucketize`` computes. Counting with 15 whole-tensor
+    comparisons costs about twice bucketize's time on a large matrix (2 s for 4096x4096 here),
+    but bucketize's thread start-up made GPTQ's single-column calls a hundred times slower
+    (10 ms per column on this loaded 2-core machine)."""
     midpoints, order = _FOUR_BIT_SEARCH[fmt]
-    rank = torch.zeros(unit.shape, dtype=torch.uint8)
+    rank = torch.zeros_like(unit, dtype=torch.uint8)
     for m in midpoints:
         rank += unit > m
     return order[rank.long()]

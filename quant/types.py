@@ -22,7 +22,7 @@ NumberFormat = Literal["int", "fp8_e4m3", "fp8_e5m2", "nf4", "fp4"]
 # The float formats' fixed widths. They are scale-only: a code stands for a fixed number and the
 # group's scale stretches it; the integer format spreads 2**bits levels around a zero-point.
 FORMAT_BITS = {"fp8_e4m3": 8, "fp8_e5m2": 8, "nf4": 4, "fp4": 4}
-_FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 # bitsandbytes 0.50.2's 4-bit code tables (bitsandbytes/functional.py, get_4bit_type), as the
 # float32 values it uses (its raw table divided by its largest magnitude), indexed by the 4-bit code.
@@ -44,15 +44,11 @@ FOUR_BIT_CODES = {
 }
 
 
-def format_max(fmt: NumberFormat) -> float:
-    """The largest code magnitude of a float format: a group's range maps onto ``±format_max``."""
-    if fmt in _FP8_DTYPES:
-        return float(torch.finfo(_FP8_DTYPES[fmt]).max)  # 448 (e4m3fn), 57344 (e5m2)
-    return float(FOUR_BIT_CODES[fmt].abs().max())  # 1: bitsandbytes' tables are normalised
-
-
-def fp8_dtype(fmt: NumberFormat) -> torch.dtype:
-    return _FP8_DTYPES[fmt]
+# The largest code magnitude of each float format: a group's range maps onto ±FORMAT_MAX.
+# 448 (e4m3fn), 57344 (e5m2), and 1 for nf4/fp4, whose tables bitsandbytes normalises.
+FORMAT_MAX = {fmt: float(torch.finfo(dtype).max) for fmt, dtype in FP8_DTYPES.items()} | {
+    fmt: float(table.abs().max()) for fmt, table in FOUR_BIT_CODES.items()
+}
 
 
 def code_values(codes: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
@@ -63,8 +59,8 @@ def code_values(codes: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
     both use it, so a checkpoint reader and a quantizer can never disagree on what a code means."""
     if fmt == "int":
         return codes.to(torch.float32)
-    if fmt in _FP8_DTYPES:
-        return codes.contiguous().view(_FP8_DTYPES[fmt]).to(torch.float32)
+    if fmt in FP8_DTYPES:
+        return codes.view(FP8_DTYPES[fmt]).to(torch.float32)
     return FOUR_BIT_CODES[fmt][codes.long()]
 
 

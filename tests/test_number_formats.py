@@ -1,8 +1,6 @@
 """Float number formats (fp8 e4m3/e5m2, nf4/fp4 as bitsandbytes has them), the percentile range,
 and square-block granularity."""
 
-import math
-
 import pytest
 import torch
 
