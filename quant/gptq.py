@@ -7,8 +7,9 @@ over the calibration inputs ``x``. Quantizing column ``j`` costs ``err² / [H⁻
 optimal correction of the remaining columns is ``-err · [H⁻¹]_j,: / [H⁻¹]_jj``. Taking the rows of
 ``H⁻¹`` from the upper Cholesky factor of ``H⁻¹`` makes every step a rank-one update, and doing the
 updates for a block of columns lazily (one matrix product per block) keeps it fast. Scales come
-from min-max over each group's *updated* weights when the loop reaches the group, so they fit the
-weights that are actually rounded.
+from each group's *updated* weights when the loop reaches the group (min-max, MSE or percentile
+range, any number format: quant/rtn.py fits, rounds and decodes for both quantizers), so they fit
+the weights that are actually rounded.
 
 Act-order visits columns by decreasing ``H_jj`` (the inputs with the most energy first, while the
 most columns remain to absorb their error); groups are then formed in that order and the column ->
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quant.rtn import fit_grid, round_to_grid
+from quant.rtn import fit_grid, grid_values, round_to_grid
 from quant.types import InputError, QuantizedTensor, QuantSpec
 
 _DAMP_STEP = 0.01  # added to the damping fraction each time H + damp·mean(diag H)·I is not positive definite
@@ -49,6 +50,8 @@ def gptq_quantize(
 ) -> GPTQResult:
     """Quantize ``weight [out, in]`` given the Hessian ``[in, in]`` of its inputs."""
     out, n_in = weight.shape
+    if spec.granularity == "block":
+        raise InputError(f"{name}: GPTQ quantizes one input column at a time and cannot use granularity 'block' (use 'group')")
     group = spec.group_size if spec.granularity == "group" else n_in
     if n_in % group:
         raise InputError(f"{name}: input size {n_in} is not a multiple of group_size {group}")
@@ -67,7 +70,7 @@ def gptq_quantize(
     W, H = W[:, perm], H[perm][:, perm]
     Hinv, damp = _inverse_hessian_factor(H, settings.damp, name)
 
-    codes = torch.empty_like(W)
+    codes = torch.empty(W.shape, dtype=torch.uint8)
     col_group = torch.empty(n_in, dtype=torch.int64)  # by visit position
     scales, zeros = [], []
     loss = torch.zeros((), dtype=torch.float64)
@@ -95,10 +98,10 @@ def gptq_quantize(
             else:
                 s, z = fixed_scales[:, g], fixed_zeros[:, g]
             w = W1[:, i]
-            q = round_to_grid(w, s, z, spec.bits)
+            q = round_to_grid(w, s, z, spec)
             codes[:, j] = q
             d = Hinv1[i, i]
-            err = (w - (q - z) * s) / d
+            err = (w - grid_values(q, s, z, spec)) / d
             W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
             Err[:, i] = err
         W[:, b1:] -= Err @ Hinv[b0:b1, b1:]
@@ -113,7 +116,7 @@ def gptq_quantize(
     contiguous = torch.equal(group_index, torch.arange(n_in) // group) or spec.granularity != "group"
     tensor = QuantizedTensor(
         spec=spec,
-        codes=codes[:, inverse].to(torch.uint8),
+        codes=codes[:, inverse],
         scales=scale_t.contiguous(),
         zeros=zero_t.contiguous(),
         group_index=None if contiguous else group_index.to(torch.int32),

@@ -15,19 +15,69 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-Granularity = Literal["tensor", "channel", "group"]
-RangeChoice = Literal["minmax", "mse"]
+Granularity = Literal["tensor", "channel", "group", "block"]
+RangeChoice = Literal["minmax", "mse", "percentile"]
+NumberFormat = Literal["int", "fp8_e4m3", "fp8_e5m2", "nf4", "fp4"]
+
+# The float formats' fixed widths. They are scale-only: a code stands for a fixed number and the
+# group's scale stretches it; the integer format spreads 2**bits levels around a zero-point.
+FORMAT_BITS = {"fp8_e4m3": 8, "fp8_e5m2": 8, "nf4": 4, "fp4": 4}
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+# bitsandbytes 0.50.2's 4-bit code tables (bitsandbytes/functional.py, get_4bit_type), as the
+# float32 values it uses (its raw table divided by its largest magnitude), indexed by the 4-bit code.
+# nf4: quantiles of N(0, 1) with equal probability mass (QLoRA), sorted, exact 0 at code 7.
+# fp4: 1 sign, 2 exponent, 1 mantissa bit, in bit-pattern order (codes 0 and 8 are +0 and -0).
+FOUR_BIT_CODES = {
+    "nf4": torch.tensor([
+        -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+        -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+        0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+        0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+    ], dtype=torch.float32),
+    "fp4": torch.tensor([
+        0.0, 0.0052083334885537624, 0.6666666865348816, 1.0,
+        0.3333333432674408, 0.5, 0.1666666716337204, 0.25,
+        -0.0, -0.0052083334885537624, -0.6666666865348816, -1.0,
+        -0.3333333432674408, -0.5, -0.1666666716337204, -0.25,
+    ], dtype=torch.float32),
+}
+
+
+# The largest code magnitude of each float format: a group's range maps onto ±FORMAT_MAX.
+# 448 (e4m3fn), 57344 (e5m2), and 1 for nf4/fp4, whose tables bitsandbytes normalises.
+FORMAT_MAX = {fmt: float(torch.finfo(dtype).max) for fmt, dtype in FP8_DTYPES.items()} | {
+    fmt: float(table.abs().max()) for fmt, table in FOUR_BIT_CODES.items()
+}
+
+
+def code_values(codes: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
+    """The number each uint8 code stands for, before its scale (and zero-point) apply: the level
+    itself for integers, the fp8 number whose bit pattern it is, the table entry for nf4/fp4.
+
+    This is the one decoder: dequantization here and the quantizers' error terms (quant/rtn.py)
+    both use it, so a checkpoint reader and a quantizer can never disagree on what a code means."""
+    if fmt == "int":
+        return codes.to(torch.float32)
+    if fmt in FP8_DTYPES:
+        return codes.view(FP8_DTYPES[fmt]).to(torch.float32)
+    return FOUR_BIT_CODES[fmt][codes.long()]
 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """An integer weight-quantization scheme.
+    """A weight-quantization scheme.
 
     Weights are quantized along the input dimension of a Linear weight ``[out, in]``: one scale
-    (and zero-point when asymmetric) per tensor, per output channel, or per group of
-    ``group_size`` consecutive input columns of one output channel. ``range`` picks each group's
-    range: its min and max, or the shrunken range with the least squared error (clipping a few
-    outliers to resolve the rest more finely).
+    (and zero-point when asymmetric) per tensor, per output channel, per group of ``group_size``
+    consecutive input columns of one output channel, or per square ``group_size x group_size``
+    block (rows x columns, as DeepSeek-V3's fp8 weights and compressed-tensors' "block" strategy).
+    ``range`` picks each group's range: its min and max, the shrunken range with the least squared
+    error (clipping a few outliers to resolve the rest more finely), or the ``percentile`` of the
+    magnitudes (symmetric) or the (100 - p, p) percentiles (asymmetric).
+
+    ``format`` is what a code means: ``int`` levels with ``bits`` 2-8, or a scale-only float
+    format of fixed width (fp8 e4m3/e5m2 as torch casts them; nf4/fp4 with bitsandbytes' tables).
     """
 
     bits: int
@@ -35,40 +85,61 @@ class QuantSpec:
     granularity: Granularity = "channel"
     group_size: int | None = None
     range: RangeChoice = "minmax"
+    format: NumberFormat = "int"
+    percentile: float = 99.9
 
     def __post_init__(self) -> None:
-        if not 2 <= self.bits <= 8:
+        if self.format != "int" and self.format not in FORMAT_BITS:
+            raise ValueError(f"format must be one of int, {', '.join(FORMAT_BITS)}; got '{self.format}'")
+        if self.format == "int" and not 2 <= self.bits <= 8:
             raise ValueError(f"bits must be between 2 and 8, got {self.bits}")
-        if self.granularity == "group":
+        if self.format != "int":
+            if self.bits != FORMAT_BITS[self.format]:
+                raise ValueError(f"format '{self.format}' is {FORMAT_BITS[self.format]} bits wide, got bits {self.bits}")
+            if not self.symmetric:
+                raise ValueError(f"format '{self.format}' is scale-only: it needs symmetric true")
+        if self.granularity not in ("tensor", "channel", "group", "block"):
+            raise ValueError(f"granularity must be tensor, channel, group or block; got '{self.granularity}'")
+        if self.granularity in ("group", "block"):
             if self.group_size is None or self.group_size < 1:
-                raise ValueError("granularity 'group' needs a positive group_size")
+                raise ValueError(f"granularity '{self.granularity}' needs a positive group_size")
         elif self.group_size is not None:
-            raise ValueError(f"group_size is only valid with granularity 'group', not '{self.granularity}'")
+            raise ValueError(f"group_size is only valid with granularity 'group' or 'block', not '{self.granularity}'")
+        if self.range not in ("minmax", "mse", "percentile"):
+            raise ValueError(f"range must be minmax, mse or percentile; got '{self.range}'")
+        if not 50 < self.percentile <= 100:
+            raise ValueError(f"percentile must be above 50 and at most 100, got {self.percentile}")
 
     @property
     def label(self) -> str:
-        """Short human name, e.g. ``int4-g128-asym``."""
-        grain = {"tensor": "tensor", "channel": "channel", "group": f"g{self.group_size}"}[self.granularity]
-        return f"int{self.bits}-{grain}-{'sym' if self.symmetric else 'asym'}" + ("-mse" if self.range == "mse" else "")
+        """Short human name, e.g. ``int4-g128-asym``, ``int8-b128-sym``, ``nf4-g64``, ``fp8_e4m3-channel-p99.9``."""
+        grain = {"tensor": "tensor", "channel": "channel", "group": f"g{self.group_size}", "block": f"b{self.group_size}"}
+        if self.format == "int":
+            name = f"int{self.bits}-{grain[self.granularity]}-{'sym' if self.symmetric else 'asym'}"
+        else:
+            name = f"{self.format}-{grain[self.granularity]}"
+        return name + {"minmax": "", "mse": "-mse", "percentile": f"-p{self.percentile:g}"}[self.range]
 
 
 @dataclass(frozen=True)
 class QuantizedTensor:
-    """Integer codes with their scales, in the weight's own ``[out, in]`` layout (unpacked).
+    """Codes with their scales, in the weight's own ``[out, in]`` layout (unpacked).
 
-    ``codes`` are unsigned levels in ``[0, 2**bits - 1]``; the real value is
-    ``(codes - zeros) * scales``, with scales and zeros broadcast over each group. Symmetric specs
-    use the fixed mid-level zero ``2**(bits-1)``, so one dequantization formula serves both.
-    Groups are runs of consecutive input columns, unless ``group_index`` says which group each
-    column belongs to (GPTQ with act-order forms groups in the order it visits columns; GPTQ
-    checkpoints store this as ``g_idx``). Writers pack codes into their own layouts; nothing here
-    assumes a file format.
+    ``codes`` are uint8: integer levels in ``[0, 2**bits - 1]``, fp8 bit patterns, or nf4/fp4
+    table indices (see ``code_values``). The real value is ``(code_values(codes) - zeros) *
+    scales``, with scales and zeros broadcast over each group. Symmetric integer specs use the
+    fixed mid-level zero ``2**(bits-1)`` and float formats the zero 0, so one dequantization
+    formula serves all. Scales and zeros are ``[out, n_groups]``, or ``[out/B, in/B]`` for
+    ``B x B`` blocks. Groups are runs of consecutive input columns, unless ``group_index`` says
+    which group each column belongs to (GPTQ with act-order forms groups in the order it visits
+    columns; GPTQ checkpoints store this as ``g_idx``). Writers pack codes into their own layouts;
+    nothing here assumes a file format.
     """
 
     spec: QuantSpec
     codes: torch.Tensor  # uint8 [out, in]
-    scales: torch.Tensor  # float32 [out, n_groups]
-    zeros: torch.Tensor  # float32 [out, n_groups]
+    scales: torch.Tensor  # float32 [out, n_groups] or [out/B, in/B]
+    zeros: torch.Tensor  # float32, the shape of scales
     group_index: torch.Tensor | None = None  # int32 [in]: the group of each input column
 
     @property
@@ -77,19 +148,26 @@ class QuantizedTensor:
 
     def dequantize(self) -> torch.Tensor:
         out, n_in = self.codes.shape
+        values = code_values(self.codes, self.spec.format)
         if self.group_index is not None:
             g = self.group_index.long()
-            return (self.codes.to(torch.float32) - self.zeros[:, g]) * self.scales[:, g]
+            return (values - self.zeros[:, g]) * self.scales[:, g]
+        if self.spec.granularity == "block":
+            rows, cols = self.scales.shape
+            q = values.reshape(rows, out // rows, cols, n_in // cols)
+            w = (q - self.zeros[:, None, :, None]) * self.scales[:, None, :, None]
+            return w.reshape(out, n_in)
         n_groups = self.scales.shape[1]
-        q = self.codes.to(torch.float32).reshape(out, n_groups, n_in // n_groups)
+        q = values.reshape(out, n_groups, n_in // n_groups)
         w = (q - self.zeros.unsqueeze(-1)) * self.scales.unsqueeze(-1)
         return w.reshape(out, n_in)
 
     @property
     def bits_per_weight(self) -> float:
-        """Code bits plus the amortised cost of fp16 scales (and zero-points when asymmetric) and
-        of a 32-bit group index per input column where there is one."""
-        per_scale = 16 + (0 if self.spec.symmetric else self.spec.bits)
+        """Code bits plus the amortised cost of the scales (fp16 for integers, as their checkpoints
+        store them; fp32 for float formats, as bitsandbytes and fp8 checkpoints store them), of
+        zero-points when asymmetric, and of a 32-bit group index per input column where there is one."""
+        per_scale = (16 if self.spec.format == "int" else 32) + (0 if self.spec.symmetric else self.spec.bits)
         n_scales = 1 if self.spec.granularity == "tensor" else self.scales.numel()
         index_bits = 0 if self.group_index is None else 32 * self.group_index.numel()
         return self.spec.bits + (per_scale * n_scales + index_bits) / self.codes.numel()

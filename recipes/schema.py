@@ -10,49 +10,88 @@ from pathlib import Path
 from typing import Annotated, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from quant.ggml import FILE_TYPES
 from quant.awq import AWQSettings
 from quant.gptq import GPTQSettings
-from quant.types import InputError, QuantSpec
+from quant.types import FORMAT_BITS, InputError, NumberFormat, QuantSpec
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class RTNWeights(_Strict):
-    """Round-to-nearest integer quantization of the decoder's Linear weights."""
+class _GridWeights(_Strict):
+    """The number format and range fields that RTN and GPTQ share. Each is checked against the
+    format in its own validator, so an error names the field (``weights.bits``), not the variant.
+    Float formats have a fixed width: ``bits`` may be left out, and must match when given."""
+
+    format: NumberFormat = "int"
+    bits: int | None = Field(default=None, ge=2, le=8, validate_default=True)
+    symmetric: bool = True
+    range: Literal["minmax", "mse", "percentile"] = "minmax"
+    percentile: float | None = Field(default=None, gt=50, le=100)  # with range 'percentile'; default 99.9
+
+    @field_validator("bits")
+    @classmethod
+    def _bits_match_the_format(cls, bits: int | None, info: ValidationInfo) -> int | None:
+        fmt = info.data.get("format")  # absent when invalid: that error is reported first
+        if fmt == "int" and bits is None:
+            raise PydanticCustomError("missing", "Field required")
+        if fmt not in FORMAT_BITS:
+            return bits
+        if bits is not None and bits != FORMAT_BITS[fmt]:
+            raise ValueError(f"format '{fmt}' is {FORMAT_BITS[fmt]} bits wide, not {bits} (bits may be left out)")
+        return FORMAT_BITS[fmt]
+
+    @field_validator("symmetric")
+    @classmethod
+    def _float_formats_are_symmetric(cls, symmetric: bool, info: ValidationInfo) -> bool:
+        fmt = info.data.get("format", "int")
+        if fmt != "int" and not symmetric:
+            raise ValueError(f"format '{fmt}' is scale-only (no zero-point): symmetric must be true")
+        return symmetric
+
+    @field_validator("percentile")
+    @classmethod
+    def _percentile_needs_its_range(cls, percentile: float | None, info: ValidationInfo) -> float | None:
+        if percentile is not None and info.data.get("range") != "percentile":
+            raise ValueError("percentile is only valid with range 'percentile'")
+        return percentile
+
+    def _spec(self, granularity: str, group_size: int | None) -> QuantSpec:
+        percentile = 99.9 if self.percentile is None else self.percentile
+        return QuantSpec(self.bits, self.symmetric, granularity, group_size, self.range, self.format, percentile)
+
+
+class RTNWeights(_GridWeights):
+    """Round-to-nearest quantization of the decoder's Linear weights."""
 
     method: Literal["rtn"]
-    bits: int = Field(ge=2, le=8)
-    symmetric: bool = True
-    granularity: Literal["tensor", "channel", "group"] = "channel"
-    group_size: int | None = Field(default=None, ge=1)
-    range: Literal["minmax", "mse"] = "minmax"
+    granularity: Literal["tensor", "channel", "group", "block"] = "channel"
+    group_size: int | None = Field(default=None, ge=1)  # group: input columns; block: rows and columns
 
     @model_validator(mode="after")
     def _group_size_matches_granularity(self) -> "RTNWeights":
-        if self.granularity == "group" and self.group_size is None:
-            raise ValueError("granularity 'group' needs group_size")
-        if self.granularity != "group" and self.group_size is not None:
-            raise ValueError(f"group_size is only valid with granularity 'group', not '{self.granularity}'")
+        sized = self.granularity in ("group", "block")
+        if sized and self.group_size is None:
+            raise ValueError(f"granularity '{self.granularity}' needs group_size")
+        if not sized and self.group_size is not None:
+            raise ValueError(f"group_size is only valid with granularity 'group' or 'block', not '{self.granularity}'")
         return self
 
     @property
     def spec(self) -> QuantSpec:
-        return QuantSpec(self.bits, self.symmetric, self.granularity, self.group_size, self.range)
+        return self._spec(self.granularity, self.group_size)
 
 
-class GPTQWeights(_Strict):
+class GPTQWeights(_GridWeights):
     """GPTQ on the decoder layers' Linear weights, fitted layer by layer on the calibration text."""
 
     method: Literal["gptq"]
-    bits: int = Field(ge=2, le=8)
-    symmetric: bool = True
     group_size: int | None = Field(default=128, ge=1)  # null: one scale per output channel
-    range: Literal["minmax", "mse"] = "minmax"
     act_order: bool = False
     static_groups: bool = False
     damp: float = Field(default=0.01, gt=0, le=1)
@@ -61,7 +100,7 @@ class GPTQWeights(_Strict):
 
     @property
     def spec(self) -> QuantSpec:
-        return QuantSpec(self.bits, self.symmetric, "group" if self.group_size else "channel", self.group_size, self.range)
+        return self._spec("group" if self.group_size else "channel", self.group_size)
 
     @property
     def settings(self) -> GPTQSettings:

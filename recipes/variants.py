@@ -58,13 +58,16 @@ def plan_variant(ckpt: HFCheckpoint, variant: Variant, imatrix: bool = False) ->
                 select_modules([n.removesuffix(".weight") for n in targets], weights.targets, weights.ignore)
             except InputError as e:
                 raise InputError(f"variant '{variant.name}': {e}") from None
-        if spec.granularity == "group":
-            for n in targets:
-                if ckpt.shape(n)[1] % spec.group_size:
-                    raise InputError(
-                        f"variant '{variant.name}': group_size {spec.group_size} does not divide "
-                        f"the input size {ckpt.shape(n)[1]} of tensor '{n}'"
-                    )
+        for n in targets:
+            rows, cols = ckpt.shape(n)
+            if spec.granularity == "group" and cols % spec.group_size:
+                raise InputError(
+                    f"variant '{variant.name}': group_size {spec.group_size} does not divide the input size {cols} of tensor '{n}'"
+                )
+            if spec.granularity == "block" and (rows % spec.group_size or cols % spec.group_size):
+                raise InputError(
+                    f"variant '{variant.name}': block size {spec.group_size} does not divide the shape {rows}x{cols} of tensor '{n}'"
+                )
         return Plan(names)
     if "gguf" in variant.exports:
         architecture_of(ckpt)

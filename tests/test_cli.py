@@ -90,6 +90,10 @@ def test_unknown_field_in_a_variant(monkeypatch, capsys, tmp_path):
         ({"method": "gguf", "type": "Q9_9"}, "variants[0](int8).weights.type"),
         ({"method": "rtn", "bits": 4, "granularity": "group"}, "needs group_size"),
         ({"method": "rtn", "bits": 4, "granularity": "group", "group_size": 96}, "group_size 96 does not divide"),
+        ({"method": "rtn", "format": "fp8_e4m3", "bits": 4}, "field 'variants[0](int8).weights.bits': format 'fp8_e4m3' is 8 bits wide"),
+        ({"method": "rtn", "format": "nf4", "symmetric": False}, "field 'variants[0](int8).weights.symmetric'"),
+        ({"method": "rtn", "bits": 8, "granularity": "block", "group_size": 96},
+         "variant 'int8': block size 96 does not divide the shape 256x768 of tensor 'model.layers.0.mlp.down_proj.weight'"),
     ],
 )
 def test_unknown_or_invalid_values(monkeypatch, capsys, tmp_path, weights, fragment):
