@@ -23,8 +23,11 @@ def quantize_rtn(weight: torch.Tensor, spec: QuantSpec, name: str = "tensor") ->
     Integer scales are rounded *up* to fp16 before the codes are computed, because every integer
     checkpoint format stores fp16 scales: the codes are then the best ones for the scale really
     used, and rounding up keeps the whole range covered, so no weight is clipped by more than half
-    a step. Symmetric: ``scale = absmax / (2**(bits-1) - 1)`` around the fixed zero
-    ``2**(bits-1)``, so the largest weight is represented exactly and nothing clips. Asymmetric:
+    a step. Symmetric: ``scale = 2·absmax / (2**bits - 1)`` around the fixed zero ``2**(bits-1)``
+    (GPTQ's grid): ``[-absmax, absmax]`` spans ``2**bits - 1`` steps, and the largest positive
+    weight, which would need the missing level ``+2**(bits-1)``, clips by at most half a step, no
+    more than rounding costs any other weight (``absmax / (2**(bits-1) - 1)``, which represents the
+    largest weight exactly, has every step 7% wider at 4 bits). Asymmetric:
     the range ``[min, max]`` (widened to include 0, so zeros stay exact) is split into
     ``2**bits - 1`` steps. Float formats keep float32 scales (bitsandbytes stores its absmax in
     float32, fp8 checkpoints their scales too): ``scale = absmax / FORMAT_MAX``.
@@ -125,7 +128,7 @@ def _grid(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, shrink: float, na
         scales = shrink * hi / FORMAT_MAX[spec.format]
         return scales, torch.zeros_like(scales)
     if spec.symmetric:
-        scales = _fp16_scale(shrink * hi / (2 ** (spec.bits - 1) - 1), name)
+        scales = _fp16_scale(shrink * 2 * hi / (2**spec.bits - 1), name)
         return scales, torch.full_like(scales, float(2 ** (spec.bits - 1)))
     maxq = 2**spec.bits - 1
     scales = _fp16_scale(shrink * (hi - lo) / maxq, name)
