@@ -66,14 +66,15 @@ def gptq_quantize(
     if spec.granularity != "group" or settings.static_groups:
         # Ranges fixed before any update: per tensor/channel always, per group when static.
         fixed_scales, fixed_zeros = fit_grid(W.reshape(out, n_in // group, group), spec, name)
-    perm = torch.argsort(torch.diagonal(H), descending=True, stable=True) if settings.act_order else torch.arange(n_in)
+    device = W.device
+    perm = torch.argsort(torch.diagonal(H), descending=True, stable=True) if settings.act_order else torch.arange(n_in, device=device)
     W, H = W[:, perm], H[perm][:, perm]
     Hinv, damp = _inverse_hessian_factor(H, settings.damp, name)
 
-    codes = torch.empty(W.shape, dtype=torch.uint8)
-    col_group = torch.empty(n_in, dtype=torch.int64)  # by visit position
+    codes = torch.empty(W.shape, dtype=torch.uint8, device=device)
+    col_group = torch.empty(n_in, dtype=torch.int64, device=device)  # by visit position
     scales, zeros = [], []
-    loss = torch.zeros((), dtype=torch.float64)
+    loss = torch.zeros((), dtype=torch.float64, device=device)
     block = -(-max(settings.block_size, group) // group) * group if spec.granularity == "group" else settings.block_size
     for b0 in range(0, n_in, block):
         b1 = min(b0 + block, n_in)
@@ -113,7 +114,7 @@ def gptq_quantize(
     else:
         scale_t, zero_t = fixed_scales, fixed_zeros
     group_index = col_group[inverse]
-    contiguous = torch.equal(group_index, torch.arange(n_in) // group) or spec.granularity != "group"
+    contiguous = torch.equal(group_index, torch.arange(n_in, device=device) // group) or spec.granularity != "group"
     tensor = QuantizedTensor(
         spec=spec,
         codes=codes[:, inverse],
@@ -128,7 +129,7 @@ def _inverse_hessian_factor(H: torch.Tensor, damp: float, name: str) -> tuple[to
     """Upper Cholesky factor of ``(H + λI)⁻¹`` with ``λ = damp·mean(diag H)``, raising ``damp`` by
     steps while the damped Hessian is still not positive definite (few or collinear samples)."""
     mean_diag = torch.diagonal(H).mean()
-    eye = torch.eye(len(H), dtype=H.dtype)
+    eye = torch.eye(len(H), dtype=H.dtype, device=H.device)
     while damp <= _DAMP_LIMIT + 1e-9:
         L, info = torch.linalg.cholesky_ex(H + damp * mean_diag * eye)
         if info == 0:

@@ -1,0 +1,103 @@
+"""The layer-by-layer walk of ``calib.layerwise``, streamed from the checkpoint.
+
+A conversion must not hold the whole float model (models larger than RAM convert), so the model is
+built on the meta device (shapes, no storage) and only what the walk needs is read from the
+checkpoint: the input embedding, to make decoder layer 0's inputs, and then one decoder layer at a
+time, freed before the next is read. At its peak the walk holds one layer in float32, its inputs
+and outputs ``[windows, tokens, hidden]``, and whatever the pass computes for that layer.
+
+The work runs on CUDA when there is a GPU (the layer, its inputs and the statistics gathered from
+them live there), else on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+from typing import Iterator, NamedTuple, TypeVar
+
+import torch
+
+from calib.layerwise import LayerInputs, decoder_layers, first_layer_inputs, layers_prefix, run_layer
+from formats.hf import HFCheckpoint
+from quant.types import InputError
+
+T = TypeVar("T")
+
+
+class LayerStep(NamedTuple):
+    """One decoder layer of the walk, its float32 weights loaded, and the inputs it receives."""
+
+    prefix: str  # the layer's weight-name prefix, e.g. "model.layers.3."
+    layer: torch.nn.Module
+    inputs: LayerInputs
+
+
+def working_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def skeleton(ckpt: HFCheckpoint) -> torch.nn.Module:
+    """The checkpoint's transformers model with every parameter on the meta device. Buffers that no
+    checkpoint holds (the rotary embedding's frequencies) are computed from the config as usual.
+    Every parameter is checked against the checkpoint now, so a missing or misshapen tensor stops
+    the run before any layer is worked on, not hours into it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(ckpt.path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except (ValueError, KeyError, OSError) as e:
+        raise InputError(f"{ckpt.path}: transformers cannot build this model ({str(e).splitlines()[0]})") from None
+    decoder_layers(model)  # refuses models the walk does not know
+    decoder = model.get_decoder()
+    rotary = getattr(decoder, "rotary_emb", None)
+    if rotary is not None:
+        decoder.rotary_emb = type(rotary)(config=model.config).to(working_device())
+    names = set(ckpt.names)
+    for name, param in model.named_parameters():  # a tied output head is listed once, as the embedding
+        if name not in names:
+            raise InputError(f"{ckpt.path}: no tensor '{name}' in the checkpoint ({ckpt.architecture} needs it)")
+        if ckpt.shape(name) != tuple(param.shape):
+            raise InputError(f"{ckpt.path}: tensor '{name}' has shape {list(ckpt.shape(name))}, the config gives {list(param.shape)}")
+    return model.eval()
+
+
+def walk_layers(ckpt: HFCheckpoint, model: torch.nn.Module, windows: torch.Tensor) -> Iterator[LayerStep]:
+    """Yield each decoder layer of ``model`` (a ``skeleton``) with its weights read from ``ckpt``
+    and its inputs for the token ``windows``. Whatever the consumer changes in the layer before
+    asking for the next one (quantized weights, folded scales) is what the layer's outputs, the
+    next layer's inputs, are computed with; then the layer returns to the meta device."""
+    device = working_device()
+    embedding = model.get_input_embeddings()
+    _load(ckpt, embedding, _name_of(model, embedding), device)
+    inputs = first_layer_inputs(model, windows.to(device))
+    embedding.to("meta")
+    layers = decoder_layers(model)
+    prefix = layers_prefix(model)
+    for index, layer in enumerate(layers):
+        base = f"{prefix}.{index}."
+        _load(ckpt, layer, base, device)
+        yield LayerStep(base, layer, inputs)
+        if index + 1 < len(layers):  # the last layer's outputs feed nothing the walk needs
+            inputs.hidden = run_layer(layer, inputs)
+        layer.to("meta")
+
+
+def _load(ckpt: HFCheckpoint, module: torch.nn.Module, prefix: str, device: torch.device) -> None:
+    """Replace the module's meta parameters by the checkpoint's tensors, as float32 on ``device``."""
+    state = {name: ckpt.tensor(prefix + name).to(device=device, dtype=torch.float32) for name, _ in module.named_parameters()}
+    module.load_state_dict(state, strict=True, assign=True)
+
+
+def _name_of(model: torch.nn.Module, module: torch.nn.Module) -> str:
+    return next(n for n, m in model.named_modules() if m is module) + "."
+
+
+def to_cpu(result: T) -> T:
+    """A pass's result (a tensor, or a dataclass of tensors such as ``QuantizedTensor``) with its
+    tensors moved to the CPU: results leave the working device as they are handed out."""
+    if isinstance(result, torch.Tensor):
+        return result.cpu()
+    moved = {f.name: v.cpu() for f in fields(result) if isinstance(v := getattr(result, f.name), torch.Tensor)}
+    return replace(result, **moved)
