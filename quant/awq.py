@@ -17,13 +17,15 @@ with ``G = Σ x xᵀ``, so the searches use all calibration tokens at the cost o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Iterator
 
 import torch
 
-from calib.layerwise import InputStats, decoder_layers, first_layer_inputs, input_statistics, run_layer
+from calib.layerwise import InputStats, input_statistics
+from calib.streaming import skeleton, to_cpu, walk_layers
+from formats.hf import HFCheckpoint
 from quant.rtn import quantize_rtn
-from quant.types import InputError, QuantizedTensor, QuantSpec
+from quant.types import InputError, QuantSpec, TensorPayload
 
 _GRID = 20
 _CLIP_STEPS = 10  # group ranges shrunk by 0%, 5%, ... 45%
@@ -37,27 +39,24 @@ class AWQSettings:
 
 
 def awq_model(
-    model: torch.nn.Module,
+    ckpt: HFCheckpoint,
     windows: torch.Tensor,
     spec: QuantSpec,
     settings: AWQSettings = AWQSettings(),
-    on_layer: Callable[[], None] | None = None,
     quantize: bool = True,
-) -> dict[str, QuantizedTensor]:
-    """Scale, clip and quantize every decoder layer's Linear weights, layer by layer; the model is
-    changed in place (norms and feeding Linear rows absorb the scales). Returns the quantized
-    weights by name; with ``quantize=False`` only the (exactly equivalent) scaling is applied."""
-    layers = decoder_layers(model)
-    prefix = next(n for n, m in model.named_modules() if m is layers)
-    inputs = first_layer_inputs(model, windows)
-    results: dict[str, QuantizedTensor] = {}
-    for index, layer in enumerate(layers):
-        base = f"{prefix}.{index}."
+) -> Iterator[dict[str, TensorPayload]]:
+    """Scale, clip and quantize every decoder layer's Linear weights, layer by layer as they stream
+    from the checkpoint (``calib.streaming``), yielding one dict per layer, by weight name, on the
+    CPU: the quantized weights and every other tensor of the layer as it now is (the norms and
+    feeding Linear rows absorb the scales). With ``quantize=False`` only the (exactly equivalent)
+    scaling is applied and every tensor comes back in float."""
+    for base, layer, inputs in walk_layers(ckpt, skeleton(ckpt), windows):
         modules = dict(layer.named_modules())
         for feeder, targets in _mappings(modules):
             stats = input_statistics(layer, inputs, targets[:1])[targets[0]]
             scales = _search_scales([modules[t].weight.data for t in targets], stats, spec, settings)
             _fold(modules[feeder], [modules[t] for t in targets], scales)
+        results: dict[str, TensorPayload] = {}
         if quantize:
             linears = [n for n, m in modules.items() if isinstance(m, torch.nn.Linear)]
             stats = input_statistics(layer, inputs, linears)
@@ -67,11 +66,10 @@ def awq_model(
                     weight.data = _clip(weight.data, stats[name], spec, base + name)
                 quantized = quantize_rtn(weight.data, spec, base + name)
                 weight.data = quantized.dequantize().to(weight.dtype)
-                results[f"{base}{name}.weight"] = quantized
-        inputs.hidden = run_layer(layer, inputs)
-        if on_layer:
-            on_layer()
-    return results
+                results[f"{base}{name}.weight"] = to_cpu(quantized)
+        for name, param in layer.named_parameters(prefix=base.rstrip(".")):
+            results.setdefault(name, param.detach().cpu().clone())
+        yield results
 
 
 def _output_error(delta: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:

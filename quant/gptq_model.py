@@ -3,44 +3,46 @@
 Each decoder layer is fitted to the inputs the already-quantized layers before it produce; inside a
 layer, the Linear modules are quantized in call order, group by group (q/k/v, o, gate/up, down), and
 each group's Hessians are gathered after the groups before it were quantized ("true sequential").
-Quantized weights replace the float ones in the model as they are made, so when the pass ends the
-model computes exactly what the quantized checkpoint will.
+The layers stream from the checkpoint (``calib.streaming``): one decoder layer is in memory at a
+time, and its results are handed out as soon as it is done, so a caller can write them out rather
+than keep them.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from fnmatch import fnmatchcase
-from typing import Callable
+from typing import Iterator
 
 import torch
 
-from calib.layerwise import decoder_layers, first_layer_inputs, input_statistics, linear_groups, run_layer
+from calib.layerwise import input_statistics, layers_prefix, linear_groups
+from calib.streaming import skeleton, to_cpu, walk_layers
+from formats.hf import HFCheckpoint
 from quant.gptq import GPTQResult, GPTQSettings, gptq_quantize
 from quant.types import InputError, QuantSpec
 
 
 def gptq_model(
-    model: torch.nn.Module,
+    ckpt: HFCheckpoint,
     windows: torch.Tensor,
     spec: QuantSpec,
     settings: GPTQSettings = GPTQSettings(),
     targets: list[str] = ("*",),
     ignore: list[str] = (),
-    on_layer: Callable[[], None] | None = None,
-) -> dict[str, GPTQResult]:
+) -> Iterator[dict[str, GPTQResult]]:
     """Quantize the decoder layers' Linear weights whose module names match a ``targets`` pattern
-    and no ``ignore`` pattern (shell-style, e.g. ``*.mlp.*``); returns results by weight name
-    (``model.layers.0.self_attn.q_proj.weight``). The output head is outside the decoder layers and
-    is never touched. ``model`` is changed in place to the quantized model."""
-    layers = decoder_layers(model)
-    prefix = next(n for n, m in model.named_modules() if m is layers)
+    and no ``ignore`` pattern (shell-style, e.g. ``*.mlp.*``), yielding each layer's results by
+    weight name (``model.layers.0.self_attn.q_proj.weight``, on the CPU) in layer order, one dict
+    per decoder layer (empty when no module of the layer was chosen). The output head is outside
+    the decoder layers and is never touched."""
+    model = skeleton(ckpt)
+    prefix = layers_prefix(model)
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith(prefix + ".")]
     chosen = select_modules(linears, targets, ignore)
-    inputs = first_layer_inputs(model, windows)
-    results: dict[str, GPTQResult] = {}
-    for index, layer in enumerate(layers):
-        base = f"{prefix}.{index}."
+    for base, layer, inputs in walk_layers(ckpt, model, windows):
         modules = dict(layer.named_modules())
+        results: dict[str, GPTQResult] = {}
         for group in linear_groups(layer, inputs):
             names = [n for n in group if base + n in chosen]
             if not names:
@@ -49,12 +51,9 @@ def gptq_model(
             for n in names:
                 linear = modules[n]
                 result = gptq_quantize(linear.weight.data, stats.pop(n).hessian, spec, settings, name=base + n)
-                linear.weight.data = result.tensor.dequantize().to(linear.weight.dtype)
-                results[f"{base}{n}.weight"] = result
-        inputs.hidden = run_layer(layer, inputs)
-        if on_layer:
-            on_layer()
-    return results
+                linear.weight.data = result.tensor.dequantize().to(linear.weight.dtype)  # what later groups and layers see
+                results[f"{base}{n}.weight"] = replace(result, tensor=to_cpu(result.tensor))
+        yield results
 
 
 def select_modules(names: list[str], targets: list[str], ignore: list[str]) -> set[str]:

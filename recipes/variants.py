@@ -15,7 +15,7 @@ import torch
 from rich.progress import Progress
 
 from formats.gguf import GGUFFileWriter, architecture_of, check_shapes, gguf_name, gguf_order
-from formats.hf import DenseSafetensorsWriter, HFCheckpoint, is_linear_weight, load_causal_lm
+from formats.hf import DenseSafetensorsWriter, HFCheckpoint, is_linear_weight
 from formats.modelfile import write_modelfile
 from quant.awq import awq_model
 from quant.ggml import FILE_TYPES, encode, tensor_types
@@ -91,8 +91,9 @@ def build_variant(
 
     ``gguf_path`` overrides where the GGUF export goes. With ``keep_weights`` the dequantized
     weights are also kept for evaluation (the whole model in float32). Variants fitted on
-    calibration text (GPTQ) take the token windows in ``calibration``; they are fitted first, on
-    the whole model, and their tensors then stream into the exports like any others.
+    calibration text (GPTQ, AWQ) take the token windows in ``calibration``; they are fitted first,
+    layer by layer as the layers stream from the checkpoint, and their tensors then stream into
+    the exports like any others.
     """
     plan = plan_variant(ckpt, variant, imatrix is not None)
     progress = progress or Progress(disable=True)
@@ -137,23 +138,27 @@ def build_variant(
 
 
 def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None, progress: Progress) -> dict[str, TensorPayload]:
-    """GPTQ or AWQ on the whole model: every tensor of the decoder layers it produced, by name
-    (quantized weights, and for AWQ the norms and biases that absorbed its scales)."""
+    """GPTQ or AWQ streamed from the checkpoint one decoder layer at a time (the float model is never
+    loaded whole): every tensor of the decoder layers it produced, by name (quantized weights, and
+    for AWQ the norms and biases that absorbed its scales). The payloads are kept until the export
+    loop writes them in the checkpoint's tensor order, which is not the layers' order: for a 4-bit
+    variant that is the uint8 codes, a quarter of the float32 weights, plus their scales."""
     weights = variant.weights
     if windows is None:
         raise InputError(f"variant '{variant.name}': {weights.method} needs calibration text (add 'calibration: {{text: ...}}')")
-    model = load_causal_lm(ckpt)
-    task = progress.add_task(f"{variant.name}: {weights.method.upper()} layers", total=len(model.model.layers))
-    tick = lambda: progress.advance(task)  # noqa: E731
+    if isinstance(weights, GPTQWeights):
+        gptq = gptq_model(ckpt, windows, weights.spec, weights.settings, weights.targets, weights.ignore)
+        layers = ({name: r.tensor for name, r in results.items()} for results in gptq)
+    else:
+        layers = awq_model(ckpt, windows, weights.spec, weights.settings)
+    fitted: dict[str, TensorPayload] = {}
+    task = progress.add_task(f"{variant.name}: {weights.method.upper()} layers", total=ckpt.config.get("num_hidden_layers"))
     try:
-        if isinstance(weights, GPTQWeights):
-            results = gptq_model(model, windows, weights.spec, weights.settings, weights.targets, weights.ignore, on_layer=tick)
-            return {name: r.tensor for name, r in results.items()}
-        fitted: dict[str, TensorPayload] = awq_model(model, windows, weights.spec, weights.settings, on_layer=tick)
+        for results in layers:
+            fitted.update(results)
+            progress.advance(task)
     finally:
         progress.remove_task(task)
-    for name, param in model.model.layers.named_parameters(prefix="model.layers"):
-        fitted.setdefault(name, param.detach().clone())
     return fitted
 
 

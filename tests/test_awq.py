@@ -7,10 +7,10 @@ import torch
 from calib.text import sample_windows, token_windows
 from conftest import BUNDLED, EVAL_TEXT, TINY
 from evalsuite.metrics import causal_lm_logprobs, score
-from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
+from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
 from quant.awq import awq_model
 from quant.rtn import quantize_rtn
-from quant.types import QuantSpec
+from quant.types import QuantizedTensor, QuantSpec, dequantized
 
 SPEC = QuantSpec(4, False, "group", 128)
 
@@ -18,13 +18,20 @@ SPEC = QuantSpec(4, False, "group", 128)
 def _setup():
     ckpt = HFCheckpoint.open(TINY)
     tok = load_tokenizer(ckpt)
-    return load_causal_lm(ckpt), sample_windows(tok, BUNDLED / "calib.txt", 512, 16), token_windows(tok, EVAL_TEXT, 512, 4)
+    return ckpt, load_causal_lm(ckpt), sample_windows(tok, BUNDLED / "calib.txt", 512, 16), token_windows(tok, EVAL_TEXT, 512, 4)
+
+
+def _with(model, layers):
+    """A copy of ``model`` whose decoder-layer tensors are the ones the streamed pass handed out."""
+    state = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    for results in layers:
+        state.update({n: dequantized(p) for n, p in results.items()})
+    return model_from_state(model.config, state)
 
 
 def test_folded_scales_leave_the_float_model_unchanged():
-    model, calib, evaluation = _setup()
-    folded = copy.deepcopy(model)
-    awq_model(folded, calib[:4], SPEC, quantize=False)
+    ckpt, model, calib, evaluation = _setup()
+    folded = _with(model, awq_model(ckpt, calib[:4], SPEC, quantize=False))
     moved = max((a - b).abs().max().item() for a, b in zip(folded.parameters(), model.parameters()))
     assert moved > 0.1  # the norms and Linear weights really were rescaled
     with torch.inference_mode():
@@ -32,16 +39,18 @@ def test_folded_scales_leave_the_float_model_unchanged():
 
 
 def test_awq_moves_the_model_less_than_rtn_on_the_same_grid():
-    model, calib, evaluation = _setup()
+    ckpt, model, calib, evaluation = _setup()
     reference = causal_lm_logprobs(model)
     rtn = copy.deepcopy(model)
     for name, module in rtn.model.layers.named_modules():
         if isinstance(module, torch.nn.Linear):
             module.weight.data = quantize_rtn(module.weight.data, SPEC).dequantize()
-    awq = copy.deepcopy(model)
-    results = awq_model(awq, calib, SPEC)
-    assert len(results) == 7 * len(model.model.layers)
-    name = "model.layers.0.mlp.down_proj.weight"
-    torch.testing.assert_close(results[name].dequantize(), dict(awq.named_parameters())[name])  # model holds the quantized weights
+    layers = list(awq_model(ckpt, calib, SPEC))
+    assert len(layers) == len(model.model.layers)  # one dict per decoder layer, in order
+    quantized = [n for results in layers for n, p in results.items() if isinstance(p, QuantizedTensor)]
+    assert len(quantized) == 7 * len(model.model.layers) and all(n.endswith("_proj.weight") for n in quantized)
+    norm = "model.layers.0.input_layernorm.weight"
+    assert not torch.equal(layers[0][norm], dict(model.named_parameters())[norm])  # the norm absorbed the scales
+    awq = _with(model, layers)
     kld = lambda m: score(causal_lm_logprobs(m), evaluation, reference).kld
     assert kld(awq) < 0.95 * kld(rtn)
