@@ -140,7 +140,8 @@ def run_method(method: str, bits: int, args, windows_file: Path, out: Path) -> d
 
 def worker(argv: list[str]) -> None:
     """One of our methods, in this process, with the anchors' arguments: writes out/dense
-    (float32) and out/anchor.json."""
+    (float32) and out/anchor.json. The model streams from the checkpoint (GPTQ and AWQ one decoder
+    layer at a time; RTN one tensor at a time), as in a recipe, so the peak RSS is the streaming one."""
     parser = argparse.ArgumentParser()
     parser.add_argument("method", choices=OURS)
     for flag in ("--model", "--windows", "--out"):
@@ -152,28 +153,31 @@ def worker(argv: list[str]) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from formats.hf import HFCheckpoint, load_causal_lm
+    from formats.hf import DenseSafetensorsWriter, HFCheckpoint, is_linear_weight
     from quant.awq import awq_model
     from quant.gptq import GPTQSettings
     from quant.gptq_model import gptq_model
     from quant.rtn import quantize_rtn
-    from quant.types import QuantSpec
+    from quant.types import QuantSpec, dequantized
 
     windows = load_file(str(args.windows))["input_ids"]
-    model = load_causal_lm(HFCheckpoint.open(args.model))
+    ckpt = HFCheckpoint.open(args.model)
     spec = QuantSpec(args.bits, SYMMETRIC.get(args.method, True), "group", args.group_size,
                      "mse" if args.method == "rtn-mse" else "minmax")
     start = time.perf_counter()
     if args.method.startswith("rtn"):
-        for name, module in model.model.layers.named_modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.data = quantize_rtn(module.weight.data, spec, name).dequantize()
+        fitted = {n: quantize_rtn(ckpt.tensor(n).float(), spec, n) for n in ckpt.names
+                  if n.startswith("model.layers.") and is_linear_weight(n, ckpt.shape(n))}
     elif args.method == "awq":
-        awq_model(model, windows, spec)
+        fitted = {n: p for layer in awq_model(ckpt, windows, spec) for n, p in layer.items()}
     else:
-        gptq_model(model, windows, spec, GPTQSettings(act_order=args.method == "gptq-actorder"))
+        layers = gptq_model(ckpt, windows, spec, GPTQSettings(act_order=args.method == "gptq-actorder"))
+        fitted = {n: r.tensor for layer in layers for n, r in layer.items()}
     seconds = time.perf_counter() - start
-    model.save_pretrained(args.out / "dense")
+    writer = DenseSafetensorsWriter(args.out / "dense", [(n, ckpt.shape(n)) for n in ckpt.names], torch.float32, ckpt)
+    for name in ckpt.names:
+        writer.add(name, dequantized(fitted.pop(name)) if name in fitted else ckpt.tensor(name))
+    writer.finish()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     (args.out / "anchor.json").write_text(json.dumps({"tool": f"quantbench {args.method}", "seconds": seconds, "peak_rss_mb": peak}))
 
