@@ -34,21 +34,22 @@ CONFIG = {
 }
 
 
-def make_checkpoint(dest: Path) -> int:
-    """Write the synthetic checkpoint tensor by tensor; returns its parameter count."""
+def make_checkpoint(dest: Path, config: dict = CONFIG) -> int:
+    """Write a synthetic Llama checkpoint (untied) tensor by tensor; returns its parameter count."""
     import torch
 
     from formats.hf import DenseSafetensorsWriter, HFCheckpoint
 
-    c = CONFIG
+    c = config
     h, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    kv = c["num_key_value_heads"] * c["head_dim"]
     shapes = [("model.embed_tokens.weight", (v, h)), ("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes += [
             (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
-            (p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.k_proj.weight", (h, h)),
-            (p + "self_attn.v_proj.weight", (h, h)), (p + "self_attn.o_proj.weight", (h, h)),
+            (p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, h)),
             (p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h)), (p + "mlp.down_proj.weight", (h, f)),
         ]
     writer = DenseSafetensorsWriter(dest, shapes, torch.bfloat16, HFCheckpoint.open(REPO / "recipes/bundled/tiny"))
@@ -57,7 +58,7 @@ def make_checkpoint(dest: Path) -> int:
         t = torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=gen) * 0.02
         writer.add(name, t)
     writer.finish()
-    (dest / "config.json").write_text(json.dumps(CONFIG, indent=2))
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
     return sum(int(torch.Size(s).numel()) for _, s in shapes)
 
 
