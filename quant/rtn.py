@@ -169,7 +169,7 @@ def _nearest_four_bit(unit: torch.Tensor, fmt: str) -> torch.Tensor:
     rank = torch.zeros_like(unit, dtype=torch.uint8)
     for m in midpoints:
         rank += unit > m
-    return order[rank.long()]
+    return order.to(rank.device)[rank.long()]
 
 
 def _four_bit_search(table: torch.Tensor) -> tuple[list[float], torch.Tensor]:

@@ -61,7 +61,7 @@ def code_values(codes: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
         return codes.to(torch.float32)
     if fmt in FP8_DTYPES:
         return codes.view(FP8_DTYPES[fmt]).to(torch.float32)
-    return FOUR_BIT_CODES[fmt][codes.long()]
+    return FOUR_BIT_CODES[fmt].to(codes.device)[codes.long()]
 
 
 @dataclass(frozen=True)
