@@ -24,8 +24,9 @@ import torch
 from calib.layerwise import InputStats, input_statistics
 from calib.streaming import skeleton, to_cpu, walk_layers
 from formats.hf import HFCheckpoint
+from quant.folding import fold_scales, layer_mappings
 from quant.rtn import quantize_rtn
-from quant.types import InputError, QuantSpec, TensorPayload
+from quant.types import QuantSpec, TensorPayload
 
 _GRID = 20
 _CLIP_STEPS = 10  # group ranges shrunk by 0%, 5%, ... 45%
@@ -52,10 +53,10 @@ def awq_model(
     scaling is applied and every tensor comes back in float."""
     for base, layer, inputs in walk_layers(ckpt, skeleton(ckpt), windows):
         modules = dict(layer.named_modules())
-        for feeder, targets in _mappings(modules):
+        for feeder, targets in layer_mappings(modules, "AWQ"):
             stats = input_statistics(layer, inputs, targets[:1])[targets[0]]
             scales = _search_scales([modules[t].weight.data for t in targets], stats, spec, settings)
-            _fold(modules[feeder], [modules[t] for t in targets], scales)
+            fold_scales(modules[feeder], [modules[t] for t in targets], scales)
         results: dict[str, TensorPayload] = {}
         if quantize:
             linears = [n for n, m in modules.items() if isinstance(m, torch.nn.Linear)]
@@ -100,17 +101,6 @@ def _search_scales(weights: list[torch.Tensor], stats: InputStats, spec: QuantSp
     return best_scales
 
 
-def _fold(feeder: torch.nn.Module, targets: list[torch.nn.Linear], scales: torch.Tensor) -> None:
-    """Multiply the targets' input columns by ``scales`` and divide what feeds them (a norm's
-    weight, or a Linear's output rows and bias) by the same: the float model is unchanged."""
-    with torch.no_grad():
-        feeder.weight.div_(scales.view(-1, *([1] * (feeder.weight.dim() - 1))).to(feeder.weight.dtype))
-        if getattr(feeder, "bias", None) is not None:
-            feeder.bias.div_(scales.to(feeder.bias.dtype))
-        for t in targets:
-            t.weight.mul_(scales.to(t.weight.dtype))
-
-
 def _clip(weight: torch.Tensor, stats: InputStats, spec: QuantSpec, name: str) -> torch.Tensor:
     """Shrink each quantization group's range (by 0%, 5%, ... 45%) where that lowers the output
     error of the group's slice of the product."""
@@ -132,18 +122,3 @@ def _clip(weight: torch.Tensor, stats: InputStats, spec: QuantSpec, name: str) -
             best_err = torch.where(better[..., 0], err, best_err)
             best = torch.where(better, clipped, best)
     return best.reshape(out, n_in).to(weight.dtype)
-
-
-def _mappings(modules: dict[str, torch.nn.Module]) -> list[tuple[str, list[str]]]:
-    """(feeding module, Linear modules it feeds) in a Llama/Mistral/Qwen2 block. The v -> o pair
-    is skipped under grouped-query attention, where v's rows do not line up with o's columns."""
-    need = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-            "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
-    missing = [n for n in need if n not in modules]
-    if missing:
-        raise InputError(f"AWQ: decoder layer has no '{missing[0]}' (supported: Llama, Mistral, Qwen2 blocks)")
-    pairs = [("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"])]
-    if modules["self_attn.v_proj"].out_features == modules["self_attn.o_proj"].in_features:
-        pairs.append(("self_attn.v_proj", ["self_attn.o_proj"]))
-    pairs += [("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"]), ("mlp.up_proj", ["mlp.down_proj"])]
-    return pairs

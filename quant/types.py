@@ -195,8 +195,9 @@ class GGMLTensor:
         return 8.0 * self.raw.nbytes / int(np.prod(self.shape))
 
 
-# What a quantizer hands downstream for one tensor: left as it was, integer-quantized, or ggml-encoded.
-TensorPayload = Union[torch.Tensor, QuantizedTensor, GGMLTensor]
+# What a quantizer hands downstream for one tensor: left as it was, integer-quantized (possibly with
+# 16-bit outlier columns), or ggml-encoded.
+TensorPayload = Union[torch.Tensor, QuantizedTensor, GGMLTensor, "MixedPrecisionTensor"]
 
 
 def dequantized(payload: TensorPayload) -> torch.Tensor:
@@ -212,3 +213,34 @@ class InputError(Exception):
     The message is one line that names the offending file, field or tensor; the command line prints
     it without a traceback and exits with status 2.
     """
+
+
+@dataclass(frozen=True)
+class MixedPrecisionTensor:
+    """A quantized weight whose few outlier input columns are kept in fp16 (LLM.int8-style).
+
+    Input channels that carry very large activations multiply their weight column's rounding error;
+    keeping those columns in 16 bits removes the largest share of the output error for a few bits
+    per weight. ``base`` covers the whole ``[out, in]`` weight with the outlier columns zeroed (so
+    they do not widen any group's range); ``dense`` holds those columns, listed in ``columns``.
+    """
+
+    base: QuantizedTensor
+    columns: torch.Tensor  # int32 [k]: the input columns kept in 16 bits
+    dense: torch.Tensor  # float16 [out, k]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.base.shape
+
+    def dequantize(self) -> torch.Tensor:
+        w = self.base.dequantize()
+        w[:, self.columns.long()] = self.dense.to(torch.float32)
+        return w
+
+    @property
+    def bits_per_weight(self) -> float:
+        """The base's bits (its codes cover every column) plus 16 bits per kept weight and a 32-bit
+        index per kept column."""
+        out, n_in = self.base.shape
+        return self.base.bits_per_weight + (16 * self.dense.numel() + 32 * self.columns.numel()) / (out * n_in)
