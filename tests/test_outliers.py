@@ -72,7 +72,7 @@ def _tiny():
 
 def test_mixed_precision_model_holds_the_weights_it_returns():
     model, windows = _tiny()
-    result = mixed_precision_model(model, windows, SPEC, OutlierRule(0.0, 3.0))
+    result = mixed_precision_model(model, windows, SPEC)
     assert len(result.weights) == 7 * len(model.model.layers) == len(result.statistics)
     params = dict(model.named_parameters())
     for name, tensor in result.weights.items():
