@@ -2,7 +2,8 @@
 
     python bench/ptq_table.py --model DIR --calib FILE --eval FILE [--json]
         [--bits 4 3] [--group-size 128] [--calib-windows 128] [--window 512] [--seed 0]
-        [--eval-windows N] [--methods rtn rtn-mse gptq gptq-actorder rtn-asym awq gptqmodel llmcompressor-awq]
+        [--eval-windows N] [--methods rtn rtn-mse gptq gptq-actorder rtn-asym awq smoothquant-w8a8
+                                      gptqmodel llmcompressor-awq]
         [--work DIR]
 
 Every method quantizes the decoder's Linear weights (the output head is left alone) from the
@@ -10,7 +11,9 @@ same calibration windows: ``--calib-windows`` windows of ``--window`` tokens dra
 the calibration text, written once to a safetensors file that the anchors read too. Each method
 runs in its own process, so its time and peak RSS are its own, and leaves a dense float model that
 this process then scores against the unquantized one on the evaluation text (consecutive
-512-token windows): perplexity, its increase, KL divergence and top-1 agreement. With ``--work DIR``
+512-token windows): perplexity, its increase, KL divergence and top-1 agreement.
+``smoothquant-w8a8`` (SmoothQuant α 0.5, int8 per-channel weights, int8 per-token activations) is
+scored with its activation quantization simulated on the Linear inputs the worker names. With ``--work DIR``
 the windows and every method's output stay in DIR, and a method whose output is already there (same
 windows) is scored without being run again, so a long table can be built over several runs.
 
@@ -38,7 +41,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-OURS = ("rtn", "rtn-mse", "gptq", "gptq-actorder", "rtn-asym", "awq")
+OURS = ("rtn", "rtn-mse", "gptq", "gptq-actorder", "rtn-asym", "awq", "smoothquant-w8a8")
+# Weight-and-activation methods: run once, at 8 bits per channel, whatever --bits says.
+W8A8 = ("smoothquant-w8a8",)
 ANCHORS = {  # method -> (virtualenv, script, extra arguments)
     # GPTQModel's group-aware reordering off: textbook GPTQ, the same algorithm as our 'gptq' row
     # (with it on, its default, perplexity came out higher on this model: see docs/ptq.md).
@@ -94,18 +99,22 @@ def main() -> None:
     base = score(reference, evaluation)
     rows = [dict(method="none", bits=16, group_size=None, symmetric=None, ppl=base.ppl, ppl_delta=0.0, kld=0.0,
                  top1=1.0, seconds=None, peak_rss_mb=None)]
-    for bits in args.bits:
-        for method in args.methods:
-            out = work / f"{method}-w{bits}"
-            run = run_method(method, bits, args, windows_file, out)
-            if run is None:
-                continue
-            model = load_dense(out / "dense")
+    runs = [(bits, m) for bits in args.bits for m in args.methods if m not in W8A8]
+    runs += [(8, m) for m in args.methods if m in W8A8]
+    for bits, method in runs:
+        out = work / f"{method}-w{bits}"
+        run = run_method(method, bits, args, windows_file, out)
+        if run is None:
+            continue
+        model = load_dense(out / "dense")
+        with activation_simulation(model, run.get("activations")):
             s = score(causal_lm_logprobs(model), evaluation, reference)
-            rows.append(dict(method=method, bits=bits, group_size=args.group_size, symmetric=SYMMETRIC.get(method, True),
-                             ppl=s.ppl, ppl_delta=s.ppl - base.ppl, kld=s.kld, top1=s.top1, **run))
-            log(f"{method} w{bits}: ppl {s.ppl:.3f} (+{s.ppl - base.ppl:.3f}), kld {s.kld:.4f}, {run['seconds']:.1f} s, {run['peak_rss_mb']:.0f} MiB")
-            del model
+        group_size = None if method in W8A8 else args.group_size
+        rows.append(dict(method=method, bits=bits, group_size=group_size, symmetric=SYMMETRIC.get(method, True),
+                         ppl=s.ppl, ppl_delta=s.ppl - base.ppl, kld=s.kld, top1=s.top1,
+                         seconds=run["seconds"], peak_rss_mb=run["peak_rss_mb"]))
+        log(f"{method} w{bits}: ppl {s.ppl:.3f} ({s.ppl - base.ppl:+.3f}), kld {s.kld:.4f}, {run['seconds']:.1f} s, {run['peak_rss_mb']:.0f} MiB")
+        del model
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
@@ -113,12 +122,12 @@ def main() -> None:
 
 
 def run_method(method: str, bits: int, args, windows_file: Path, out: Path) -> dict | None:
-    """Quantize in a child process; returns its seconds and peak RSS, or None for a missing anchor.
-    An output left by an earlier run in the same work folder is reused."""
+    """Quantize in a child process; returns its anchor.json (seconds, peak RSS, and for W8A8 the
+    activation quantization to simulate), or None for a missing anchor. An output left by an
+    earlier run in the same work folder is reused."""
     if (out / "anchor.json").exists() and (out / "dense").is_dir():
         log(f"{method} w{bits}: reusing {out}")
-        result = json.loads((out / "anchor.json").read_text())
-        return {"seconds": result["seconds"], "peak_rss_mb": result["peak_rss_mb"]}
+        return json.loads((out / "anchor.json").read_text())
     common = ["--model", str(args.model), "--windows", str(windows_file), "--bits", str(bits),
               "--group-size", str(args.group_size), "--out", str(out)]
     if method in OURS:
@@ -134,8 +143,7 @@ def run_method(method: str, bits: int, args, windows_file: Path, out: Path) -> d
     if done.returncode:
         log(f"{method} w{bits} failed:\n{done.stderr[-3000:]}")
         return None
-    result = json.loads((out / "anchor.json").read_text())
-    return {"seconds": result["seconds"], "peak_rss_mb": result["peak_rss_mb"]}
+    return json.loads((out / "anchor.json").read_text())
 
 
 def worker(argv: list[str]) -> None:
@@ -153,23 +161,33 @@ def worker(argv: list[str]) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from formats.hf import DenseSafetensorsWriter, HFCheckpoint, is_linear_weight
+    from formats.hf import DenseSafetensorsWriter, HFCheckpoint, is_linear_weight, load_causal_lm
+    from quant.activations import ActivationSpec
     from quant.awq import awq_model
     from quant.gptq import GPTQSettings
     from quant.gptq_model import gptq_model
     from quant.rtn import quantize_rtn
+    from quant.smoothquant import w8a8_model
     from quant.types import QuantSpec, dequantized
 
     windows = load_file(str(args.windows))["input_ids"]
     ckpt = HFCheckpoint.open(args.model)
     spec = QuantSpec(args.bits, SYMMETRIC.get(args.method, True), "group", args.group_size,
                      "mse" if args.method == "rtn-mse" else "minmax")
+    extra = {}
     start = time.perf_counter()
     if args.method.startswith("rtn"):
         fitted = {n: quantize_rtn(ckpt.tensor(n).float(), spec, n) for n in ckpt.names
                   if n.startswith("model.layers.") and is_linear_weight(n, ckpt.shape(n))}
     elif args.method == "awq":
         fitted = {n: p for layer in awq_model(ckpt, windows, spec) for n, p in layer.items()}
+    elif args.method in W8A8:
+        # The in-memory pass (the whole float model): SmoothQuant does not stream yet.
+        model = load_causal_lm(ckpt)
+        result = w8a8_model(model, windows, ActivationSpec("int8"), alpha=0.5)
+        fitted = {n: p.detach().clone() for n, p in model.named_parameters()} | result.weights
+        extra = {"activations": {"format": result.activations.format, "modules": result.modules}}
+        del model
     else:
         layers = gptq_model(ckpt, windows, spec, GPTQSettings(act_order=args.method == "gptq-actorder"))
         fitted = {n: r.tensor for layer in layers for n, r in layer.items()}
@@ -179,7 +197,18 @@ def worker(argv: list[str]) -> None:
         writer.add(name, dequantized(fitted.pop(name)) if name in fitted else ckpt.tensor(name))
     writer.finish()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    (args.out / "anchor.json").write_text(json.dumps({"tool": f"quantbench {args.method}", "seconds": seconds, "peak_rss_mb": peak}))
+    (args.out / "anchor.json").write_text(json.dumps({"tool": f"quantbench {args.method}", "seconds": seconds, "peak_rss_mb": peak, **extra}))
+
+
+def activation_simulation(model, activations: dict | None):
+    """The worker's activation quantization on the model's Linear inputs, or nothing."""
+    from contextlib import nullcontext
+
+    from quant.activations import ActivationSpec, simulated_activations
+
+    if activations is None:
+        return nullcontext()
+    return simulated_activations(model, ActivationSpec(activations["format"]), activations["modules"])
 
 
 def load_dense(folder: Path):
