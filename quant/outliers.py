@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from calib.layerwise import LayerInputs, decoder_layers, first_layer_inputs, input_statistics, linear_groups, run_layer
+from calib.layerwise import LayerInputs, decoder_layers, first_layer_inputs, input_statistics, layers_prefix, linear_groups, run_layer
 from quant.rtn import quantize_rtn
 from quant.types import InputError, MixedPrecisionTensor, QuantSpec
 
@@ -61,7 +61,7 @@ def input_abs_max(model: torch.nn.Module, windows: torch.Tensor, on_layer: Calla
     """``layer_input_abs_max`` for every decoder layer of the (float) model, by full module name
     (``model.layers.0.mlp.down_proj``)."""
     layers = decoder_layers(model)
-    prefix = next(n for n, m in model.named_modules() if m is layers)
+    prefix = layers_prefix(model)
     inputs = first_layer_inputs(model, windows)
     result: dict[str, torch.Tensor] = {}
     for index, layer in enumerate(layers):

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from calib.layerwise import decoder_layers, first_layer_inputs, run_layer
+from calib.layerwise import decoder_layers, first_layer_inputs, layers_prefix, run_layer
 from quant.activations import ActivationSpec, simulated_activations
 from quant.folding import fold_scales, layer_mappings
 from quant.outliers import channel_statistics, input_abs_max, layer_input_abs_max
@@ -49,7 +49,7 @@ def smoothquant_model(
     if not 0.0 <= alpha <= 1.0:
         raise InputError(f"SmoothQuant: alpha must be between 0 and 1, got {alpha}")
     layers = decoder_layers(model)
-    prefix = next(n for n, m in model.named_modules() if m is layers)
+    prefix = layers_prefix(model)
     inputs = first_layer_inputs(model, windows)
     result: dict[str, torch.Tensor] = {}
     for index, layer in enumerate(layers):
