@@ -37,7 +37,7 @@ def main() -> None:
     model, tokenizer = load_causal_lm(ckpt), load_tokenizer(ckpt)
     calib = sample_windows(tokenizer, args.calib_text, 512, args.calib, seed=0)
     windows = token_windows(tokenizer, args.eval_text, 512, args.eval)
-    abs_max = input_abs_max(model, calib)
+    abs_max = input_abs_max(ckpt, calib)
     original = causal_lm_logprobs(model)
     cached = [original(windows[i : i + 1]) for i in range(len(windows))]
     baseline = score(original, windows)

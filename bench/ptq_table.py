@@ -161,13 +161,12 @@ def worker(argv: list[str]) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from formats.hf import DenseSafetensorsWriter, HFCheckpoint, is_linear_weight, load_causal_lm
-    from quant.activations import ActivationSpec
+    from formats.hf import DenseSafetensorsWriter, HFCheckpoint, is_linear_weight
     from quant.awq import awq_model
     from quant.gptq import GPTQSettings
     from quant.gptq_model import gptq_model
     from quant.rtn import quantize_rtn
-    from quant.smoothquant import w8a8_model
+    from quant.smoothquant import rtn_layer, smoothquant_model
     from quant.types import QuantSpec, dequantized
 
     windows = load_file(str(args.windows))["input_ids"]
@@ -181,13 +180,11 @@ def worker(argv: list[str]) -> None:
                   if n.startswith("model.layers.") and is_linear_weight(n, ckpt.shape(n))}
     elif args.method == "awq":
         fitted = {n: p for layer in awq_model(ckpt, windows, spec) for n, p in layer.items()}
-    elif args.method in W8A8:
-        # The in-memory pass (the whole float model): SmoothQuant does not stream yet.
-        model = load_causal_lm(ckpt)
-        result = w8a8_model(model, windows, ActivationSpec("int8"), alpha=0.5)
-        fitted = {n: p.detach().clone() for n, p in model.named_parameters()} | result.weights
-        extra = {"activations": {"format": result.activations.format, "modules": result.modules}}
-        del model
+    elif args.method in W8A8:  # SmoothQuant α 0.5, int8 weights per channel, int8 activations per token
+        int8 = QuantSpec(8, True, "channel")
+        layers = list(smoothquant_model(ckpt, windows, 0.5, lambda step: rtn_layer(step, int8)))
+        fitted = {n: t for layer in layers for n, t in layer.tensors.items()}
+        extra = {"activations": {"format": "int8", "modules": [m for layer in layers for m in layer.statistics]}}
     else:
         layers = gptq_model(ckpt, windows, spec, GPTQSettings(act_order=args.method == "gptq-actorder"))
         fitted = {n: r.tensor for layer in layers for n, r in layer.items()}

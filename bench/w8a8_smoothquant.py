@@ -12,7 +12,6 @@ down) to show where the error comes from.
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import time
 from pathlib import Path
@@ -40,9 +39,12 @@ def main() -> None:
 
     from calib.text import sample_windows, token_windows
     from evalsuite.metrics import causal_lm_logprobs, score
-    from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
+    from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
     from quant.activations import ActivationSpec, simulated_activations
-    from quant.smoothquant import w8a8_model
+    from quant.smoothquant import rtn_layer, smoothquant_model
+    from quant.types import QuantSpec, dequantized
+
+    int8 = QuantSpec(8, True, "channel")
 
     ckpt = HFCheckpoint.open(args.model)
     model, tokenizer = load_causal_lm(ckpt), load_tokenizer(ckpt)
@@ -62,18 +64,22 @@ def main() -> None:
     for alpha in args.alphas.split(","):
         smoothing = None if alpha == "none" else float(alpha)
         tag = "no smoothing" if smoothing is None else f"SmoothQuant alpha {alpha}"
-        quantized = copy.deepcopy(model)
         start = time.perf_counter()
-        result = w8a8_model(quantized, calib, ActivationSpec("int8"), smoothing)
+        state = {n: p.detach() for n, p in model.named_parameters()}
+        modules = []
+        for tensors, statistics in smoothquant_model(ckpt, calib, smoothing, lambda step: rtn_layer(step, int8)):
+            state.update({n: dequantized(t) for n, t in tensors.items()})
+            modules += list(statistics)
+        quantized = model_from_state(model.config, state)
         print(f"  [{tag}: calibration and quantization {time.perf_counter() - start:.0f} s]", flush=True)
         row(f"W8 (weights only), {tag}", quantized)
         if args.ablate:
             for kind in KINDS:
-                modules = [n for n in result.modules if n.endswith(kind)]
-                with simulated_activations(quantized, ActivationSpec("int8"), modules):
+                kind_modules = [n for n in modules if n.endswith(kind)]
+                with simulated_activations(quantized, ActivationSpec("int8"), kind_modules):
                     row(f"W8 + A8-int8 at {'/'.join(kind)} only, {tag}", quantized)
         for fmt in args.formats.split(","):
-            with simulated_activations(quantized, ActivationSpec(fmt), result.modules):
+            with simulated_activations(quantized, ActivationSpec(fmt), modules):
                 row(f"W8A8-{fmt}, {tag}", quantized)
 
 

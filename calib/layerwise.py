@@ -130,17 +130,19 @@ def linear_groups(layer: torch.nn.Module, inputs: LayerInputs) -> list[list[str]
 class InputStats:
     """What the calibration tokens put into one Linear module, per input channel and jointly."""
 
-    hessian: torch.Tensor  # [in, in]: 2/n Σ x xᵀ (GPTQ's Hessian; xᵀx/n is the Gram matrix AWQ needs)
+    hessian: torch.Tensor | None  # [in, in]: 2/n Σ x xᵀ (GPTQ's Hessian; xᵀx/n is the Gram matrix AWQ needs)
     abs_mean: torch.Tensor  # [in]: mean |x|
     abs_max: torch.Tensor  # [in]: max |x|
     tokens: int
 
 
-def input_statistics(layer: torch.nn.Module, inputs: LayerInputs, names: list[str]) -> dict[str, InputStats]:
-    """Statistics of the inputs of the named Linear modules over every calibration token."""
+def input_statistics(layer: torch.nn.Module, inputs: LayerInputs, names: list[str], hessians: bool = True) -> dict[str, InputStats]:
+    """Statistics of the inputs of the named Linear modules over every calibration token. The
+    Hessians are most of the cost (``in²`` per token); passes that only look at per-channel
+    magnitudes (SmoothQuant, outlier columns) leave them out, and get ``hessian=None``."""
     modules = dict(layer.named_modules())
     device = inputs.hidden.device
-    sums = {n: torch.zeros(modules[n].in_features, modules[n].in_features, device=device) for n in names}
+    sums = {n: torch.zeros(modules[n].in_features, modules[n].in_features, device=device) for n in names} if hessians else {}
     abs_sums = {n: torch.zeros(modules[n].in_features, dtype=torch.float64, device=device) for n in names}
     abs_max = {n: torch.zeros(modules[n].in_features, device=device) for n in names}
     counts = dict.fromkeys(names, 0)
@@ -148,7 +150,8 @@ def input_statistics(layer: torch.nn.Module, inputs: LayerInputs, names: list[st
     def collect(name: str) -> Callable:
         def hook(module, args):
             x = args[0].reshape(-1, args[0].shape[-1]).to(torch.float32)
-            sums[name].addmm_(x.T, x)
+            if hessians:
+                sums[name].addmm_(x.T, x)
             a = x.abs()
             abs_sums[name] += a.sum(0, dtype=torch.float64)
             torch.maximum(abs_max[name], a.amax(0), out=abs_max[name])
@@ -170,7 +173,7 @@ def input_statistics(layer: torch.nn.Module, inputs: LayerInputs, names: list[st
         for h in handles:
             h.remove()
     return {
-        n: InputStats(sums[n] * (2.0 / max(counts[n], 1)), (abs_sums[n] / max(counts[n], 1)).float(), abs_max[n], counts[n])
+        n: InputStats(sums[n] * (2.0 / max(counts[n], 1)) if hessians else None, (abs_sums[n] / max(counts[n], 1)).float(), abs_max[n], counts[n])
         for n in names
     }
 

@@ -12,7 +12,7 @@ them live there), else on the CPU.
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import fields, is_dataclass, replace
 from typing import Iterator, NamedTuple, TypeVar
 
 import torch
@@ -95,9 +95,10 @@ def _name_of(model: torch.nn.Module, module: torch.nn.Module) -> str:
 
 
 def to_cpu(result: T) -> T:
-    """A pass's result (a tensor, or a dataclass of tensors such as ``QuantizedTensor``) with its
-    tensors moved to the CPU: results leave the working device as they are handed out."""
+    """A pass's result (a tensor, or a dataclass of tensors such as ``QuantizedTensor``, possibly
+    nested) with its tensors moved to the CPU: results leave the working device as they are handed
+    out."""
     if isinstance(result, torch.Tensor):
         return result.cpu()
-    moved = {f.name: v.cpu() for f in fields(result) if isinstance(v := getattr(result, f.name), torch.Tensor)}
+    moved = {f.name: to_cpu(v) for f in fields(result) if isinstance(v := getattr(result, f.name), torch.Tensor) or is_dataclass(v)}
     return replace(result, **moved)

@@ -22,6 +22,8 @@ class VariantRow:
     ppl_delta: float = 0.0  # variant minus original
     seconds: float = 0.0
     files: list[dict] = field(default_factory=list)  # {"path": relative to the report, "bytes": int}
+    # outlier-aware passes: per Linear module, {"outlier_channels", "max_abs", "max_over_median"}
+    input_statistics: dict[str, dict] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         row = asdict(self)
@@ -86,7 +88,32 @@ def markdown(report: Report) -> str:
     for r in report.rows:
         for f in r.files:
             lines.append(f"- `{f['path']}` ({f['bytes'] / 1e6:.2f} MB)")
+    for r in report.rows:
+        if r.input_statistics:
+            lines += ["", *_outlier_section(r)]
     return "\n".join(lines) + "\n"
+
+
+_WORST = 5
+
+
+def _outlier_section(row: VariantRow) -> list[str]:
+    """The Linears whose calibration inputs are least flat: where activation quantization hurts
+    most, and where 16-bit outlier columns were kept. The full list is in report.json."""
+    stats = row.input_statistics
+    total = sum(s["outlier_channels"] for s in stats.values())
+    worst = sorted(stats.items(), key=lambda kv: -kv[1]["max_over_median"])[:_WORST]
+    lines = [
+        f"## Activation outliers: {row.name}",
+        "",
+        f"{total} outlier input channels over {len(stats)} Linear modules; the {len(worst)} with the "
+        "largest ratio of the largest per-channel |x| to the median one:",
+        "",
+        "| module | outlier channels | max abs | max/median |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| `{name}` | {s['outlier_channels']} | {s['max_abs']:.2f} | {s['max_over_median']:.1f} |" for name, s in worst]
+    return lines
 
 
 def table(report: Report) -> Table:

@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 
 from calib.layerwise import input_statistics, layers_prefix, linear_groups
-from calib.streaming import skeleton, to_cpu, walk_layers
+from calib.streaming import LayerStep, skeleton, to_cpu, walk_layers
 from formats.hf import HFCheckpoint
 from quant.gptq import GPTQResult, GPTQSettings, gptq_quantize
 from quant.types import InputError, QuantSpec
@@ -40,20 +40,29 @@ def gptq_model(
     prefix = layers_prefix(model)
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith(prefix + ".")]
     chosen = select_modules(linears, targets, ignore)
-    for base, layer, inputs in walk_layers(ckpt, model, windows):
-        modules = dict(layer.named_modules())
-        results: dict[str, GPTQResult] = {}
-        for group in linear_groups(layer, inputs):
-            names = [n for n in group if base + n in chosen]
-            if not names:
-                continue
-            stats = input_statistics(layer, inputs, names)
-            for n in names:
-                linear = modules[n]
-                result = gptq_quantize(linear.weight.data, stats.pop(n).hessian, spec, settings, name=base + n)
-                linear.weight.data = result.tensor.dequantize().to(linear.weight.dtype)  # what later groups and layers see
-                results[f"{base}{n}.weight"] = replace(result, tensor=to_cpu(result.tensor))
-        yield results
+    for step in walk_layers(ckpt, model, windows):
+        yield gptq_layer(step, spec, settings, chosen)
+
+
+def gptq_layer(step: LayerStep, spec: QuantSpec, settings: GPTQSettings, chosen: set[str]) -> dict[str, GPTQResult]:
+    """GPTQ on one decoder layer of a walk: the ``chosen`` Linear modules (full names), group by
+    group in call order, each group's Hessians gathered after the groups before it were quantized.
+    The layer keeps the quantized weights, so what it feeds the next layer is what a quantized
+    model computes. Results by weight name, on the CPU."""
+    base, layer, inputs = step
+    modules = dict(layer.named_modules())
+    results: dict[str, GPTQResult] = {}
+    for group in linear_groups(layer, inputs):
+        names = [n for n in group if base + n in chosen]
+        if not names:
+            continue
+        stats = input_statistics(layer, inputs, names)
+        for n in names:
+            linear = modules[n]
+            result = gptq_quantize(linear.weight.data, stats.pop(n).hessian, spec, settings, name=base + n)
+            linear.weight.data = result.tensor.dequantize().to(linear.weight.dtype)  # what later groups and layers see
+            results[f"{base}{n}.weight"] = replace(result, tensor=to_cpu(result.tensor))
+    return results
 
 
 def select_modules(names: list[str], targets: list[str], ignore: list[str]) -> set[str]:

@@ -13,13 +13,15 @@ shows to explain why a layer suffers under activation quantization.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Iterator, NamedTuple
 
 import torch
 
-from calib.layerwise import LayerInputs, decoder_layers, first_layer_inputs, input_statistics, layers_prefix, linear_groups, run_layer
+from calib.layerwise import input_statistics, linear_groups
+from calib.streaming import LayerStep, skeleton, to_cpu, walk_layers
+from formats.hf import HFCheckpoint
 from quant.rtn import quantize_rtn
-from quant.types import InputError, MixedPrecisionTensor, QuantSpec
+from quant.types import InputError, MixedPrecisionTensor, QuantSpec, TensorPayload
 
 
 @dataclass(frozen=True)
@@ -42,12 +44,20 @@ class OutlierRule:
         return torch.nonzero(abs_max > limit).flatten().to(torch.int32)
 
 
-def layer_input_abs_max(layer: torch.nn.Module, inputs: LayerInputs, base: str) -> dict[str, torch.Tensor]:
-    """Largest |x| per input channel of every Linear in one decoder layer, over all calibration
-    tokens, by name relative to the layer (Linears sharing an input share the tensor). ``base``
-    (``model.layers.3.``) names the module in the error raised for NaN or Inf inputs."""
+class LayerResult(NamedTuple):
+    """One decoder layer's output of a calibrated pass: its tensors by weight name (on the CPU) and
+    the per-Linear input statistics (``channel_statistics``) by module name."""
+
+    tensors: dict[str, TensorPayload]
+    statistics: dict[str, dict]
+
+
+def layer_input_abs_max(step: LayerStep) -> dict[str, torch.Tensor]:
+    """Largest |x| per input channel of every Linear in one decoder layer of a walk, over all
+    calibration tokens, by name relative to the layer (Linears sharing an input share the tensor)."""
+    base, layer, inputs = step
     groups = linear_groups(layer, inputs)
-    stats = input_statistics(layer, inputs, [g[0] for g in groups])
+    stats = input_statistics(layer, inputs, [g[0] for g in groups], hessians=False)
     result = {}
     for group in groups:
         abs_max = stats[group[0]].abs_max
@@ -57,19 +67,12 @@ def layer_input_abs_max(layer: torch.nn.Module, inputs: LayerInputs, base: str) 
     return result
 
 
-def input_abs_max(model: torch.nn.Module, windows: torch.Tensor, on_layer: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
-    """``layer_input_abs_max`` for every decoder layer of the (float) model, by full module name
-    (``model.layers.0.mlp.down_proj``)."""
-    layers = decoder_layers(model)
-    prefix = layers_prefix(model)
-    inputs = first_layer_inputs(model, windows)
+def input_abs_max(ckpt: HFCheckpoint, windows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``layer_input_abs_max`` of every decoder layer of the float model, streamed from the
+    checkpoint, by full module name (``model.layers.0.mlp.down_proj``), on the CPU."""
     result: dict[str, torch.Tensor] = {}
-    for index, layer in enumerate(layers):
-        base = f"{prefix}.{index}."
-        result.update({base + n: a for n, a in layer_input_abs_max(layer, inputs, base).items()})
-        inputs.hidden = run_layer(layer, inputs)
-        if on_layer:
-            on_layer()
+    for step in walk_layers(ckpt, skeleton(ckpt), windows):
+        result.update({step.prefix + n: a.cpu() for n, a in layer_input_abs_max(step).items()})
     return result
 
 
@@ -100,28 +103,15 @@ def mixed_precision_rtn(weight: torch.Tensor, spec: QuantSpec, columns: torch.Te
     return MixedPrecisionTensor(quantize_rtn(w, spec, name), columns.to(torch.int32), dense)
 
 
-@dataclass
-class MixedPrecisionResult:
-    weights: dict[str, MixedPrecisionTensor]  # by weight name, model.layers.0.mlp.down_proj.weight
-    statistics: dict[str, dict]  # channel_statistics by module name
-
-
-def mixed_precision_model(
-    model: torch.nn.Module,
-    windows: torch.Tensor,
-    spec: QuantSpec,
-    rule: OutlierRule = OutlierRule(),
-    on_layer: Callable[[], None] | None = None,
-) -> MixedPrecisionResult:
-    """Quantize every decoder-layer Linear weight with RTN, keeping each one's outlier input
-    columns (found on the calibration windows) in fp16. The model is changed in place to the
-    quantized weights, as the evaluation and the dense export see them."""
-    abs_max = input_abs_max(model, windows, on_layer)
-    modules = dict(model.named_modules())
-    weights = {}
-    for name, a in abs_max.items():
-        linear = modules[name]
-        tensor = mixed_precision_rtn(linear.weight.data, spec, rule.channels(a), f"{name}.weight")
-        linear.weight.data = tensor.dequantize().to(linear.weight.dtype)
-        weights[f"{name}.weight"] = tensor
-    return MixedPrecisionResult(weights, channel_statistics(abs_max, rule))
+def mixed_precision_model(ckpt: HFCheckpoint, windows: torch.Tensor, spec: QuantSpec, rule: OutlierRule = OutlierRule()) -> Iterator[LayerResult]:
+    """RTN on every decoder-layer Linear weight, keeping each one's outlier input columns (found on
+    the calibration windows of the float model) in fp16; one ``LayerResult`` per decoder layer, as
+    the layers stream from the checkpoint."""
+    for step in walk_layers(ckpt, skeleton(ckpt), windows):
+        abs_max = layer_input_abs_max(step)
+        modules = dict(step.layer.named_modules())
+        tensors = {
+            f"{step.prefix}{n}.weight": to_cpu(mixed_precision_rtn(modules[n].weight.data, spec, rule.channels(a), f"{step.prefix}{n}.weight"))
+            for n, a in abs_max.items()
+        }
+        yield LayerResult(tensors, channel_statistics({step.prefix + n: a for n, a in abs_max.items()}, rule))

@@ -9,6 +9,7 @@ first tensor is touched.
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -20,9 +21,10 @@ from calib.text import sample_windows, token_windows
 from evalsuite.metrics import causal_lm_logprobs, score
 from evalsuite.report import Report, VariantRow, write_report
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
+from quant.activations import simulated_activations
 from recipes.importance import model_imatrix
 from recipes.schema import AWQWeights, Calibration, GPTQWeights, Recipe, RTNWeights, Variant
-from recipes.variants import build_variant, plan_variant
+from recipes.variants import activation_modules, build_variant, plan_variant
 
 
 def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
@@ -57,15 +59,16 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
             uses = imatrix if getattr(variant.weights, "imatrix", False) else None
             built = build_variant(ckpt, variant, out_dir, progress, imatrix=uses, calibration=calib_windows)
             model = model_from_state(reference_model.config, built.state)
-            bits, files = built.bits_per_weight, built.files
+            bits, files, statistics = built.bits_per_weight, built.files, built.input_statistics
             del built
-            scores = _tracked(progress, f"{variant.name}: evaluate", len(windows),
-                              lambda tick: score(causal_lm_logprobs(model), windows, reference, on_window=tick))
+            with _activations(model, ckpt, variant):
+                scores = _tracked(progress, f"{variant.name}: evaluate", len(windows),
+                                  lambda tick: score(causal_lm_logprobs(model), windows, reference, on_window=tick))
             del model
             rows.append(VariantRow(
                 variant.name, _describe(variant), bits, _size_mb(ckpt, bits), scores,
                 ppl_delta=scores.ppl - original.ppl, seconds=time.perf_counter() - start,
-                files=[_file_entry(f, out_dir) for f in files],
+                files=[_file_entry(f, out_dir) for f in files], input_statistics=statistics,
             ))
 
     report = Report(model=str(recipe.model), eval_text=str(ev.text), windows=windows.shape[0],
@@ -78,15 +81,27 @@ def _calibration_windows(tokenizer, calibration: Calibration) -> torch.Tensor:
     return sample_windows(tokenizer, calibration.text, calibration.window, calibration.max_windows, calibration.seed)
 
 
+def _activations(model: torch.nn.Module, ckpt: HFCheckpoint, variant: Variant) -> AbstractContextManager[None]:
+    """Inside, the model's Linear inputs are quantized as the variant's activations say (if at all)."""
+    if variant.activations is None:
+        return nullcontext()
+    return simulated_activations(model, variant.activations.spec, activation_modules(ckpt, variant))
+
+
 def _describe(variant: Variant) -> str:
     w = variant.weights
     if isinstance(w, RTNWeights):
-        return f"rtn {w.spec.label}"
-    if isinstance(w, AWQWeights):
-        return f"awq {w.spec.label}"
-    if isinstance(w, GPTQWeights):
-        return f"gptq {w.spec.label}" + (" act-order" if w.act_order else "") + (" static-groups" if w.static_groups else "")
-    return f"gguf {w.type}" + (" imatrix" if w.imatrix else "")
+        label = f"rtn {w.spec.label}" + (" fp16-outliers" if w.outliers else "")
+    elif isinstance(w, AWQWeights):
+        label = f"awq {w.spec.label}"
+    elif isinstance(w, GPTQWeights):
+        label = f"gptq {w.spec.label}" + (" act-order" if w.act_order else "") + (" static-groups" if w.static_groups else "")
+    else:
+        return f"gguf {w.type}" + (" imatrix" if w.imatrix else "")
+    a = variant.activations
+    if a is not None:
+        label += f" {a.spec.label}" + (f" smoothquant-{a.smoothquant:g}" if a.smoothquant is not None else "")
+    return label
 
 
 def _bits_of_source(ckpt: HFCheckpoint) -> float:

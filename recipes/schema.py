@@ -14,8 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic_core import PydanticCustomError
 
 from quant.ggml import FILE_TYPES
+from quant.activations import ActivationSpec
 from quant.awq import AWQSettings
 from quant.gptq import GPTQSettings
+from quant.outliers import OutlierRule
 from quant.types import FORMAT_BITS, InputError, NumberFormat, QuantSpec
 
 
@@ -66,12 +68,25 @@ class _GridWeights(_Strict):
         return QuantSpec(self.bits, self.symmetric, granularity, group_size, self.range, self.format, percentile)
 
 
+class Outliers(_Strict):
+    """LLM.int8-style mixed precision: the input columns whose calibration activations exceed both
+    ``threshold`` and ``relative`` times their Linear's median stay in fp16 (quant/outliers.py)."""
+
+    threshold: float = Field(default=6.0, ge=0)
+    relative: float = Field(default=3.0, ge=0)
+
+    @property
+    def rule(self) -> OutlierRule:
+        return OutlierRule(self.threshold, self.relative)
+
+
 class RTNWeights(_GridWeights):
     """Round-to-nearest quantization of the decoder's Linear weights."""
 
     method: Literal["rtn"]
     granularity: Literal["tensor", "channel", "group", "block"] = "channel"
     group_size: int | None = Field(default=None, ge=1)  # group: input columns; block: rows and columns
+    outliers: Outliers | None = None  # {} for the defaults: fitted on the calibration text
 
     @model_validator(mode="after")
     def _group_size_matches_granularity(self) -> "RTNWeights":
@@ -135,19 +150,45 @@ class GGUFWeights(_Strict):
     imatrix: bool = False  # weight rounding errors by an importance matrix from the calibration text
 
 
+class Activations(_Strict):
+    """Per-token dynamic quantization of the inputs of every Linear whose weights the variant
+    quantizes (W8A8 and friends), simulated in the evaluation; SmoothQuant (α, or null for none)
+    first moves the activations' outliers into the weights (quant/smoothquant.py)."""
+
+    format: Literal["int8", "fp8"] = "int8"
+    smoothquant: float | None = Field(default=0.5, ge=0, le=1)
+
+    @property
+    def spec(self) -> ActivationSpec:
+        return ActivationSpec(self.format)
+
+
 class Variant(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)
     weights: Annotated[Union[RTNWeights, GPTQWeights, AWQWeights, GGUFWeights], Field(discriminator="method")]
+    activations: Activations | None = None
     exports: list[Literal["safetensors", "gguf"]] = []
 
     @property
     def needs_calibration(self) -> bool:
-        return isinstance(self.weights, (GPTQWeights, AWQWeights)) or getattr(self.weights, "imatrix", False)
+        w = self.weights
+        return (isinstance(w, (GPTQWeights, AWQWeights)) or getattr(w, "imatrix", False)
+                or getattr(w, "outliers", None) is not None or self.activations is not None)
 
     @model_validator(mode="after")
     def _gguf_needs_gguf_weights(self) -> "Variant":
         if "gguf" in self.exports and self.weights.method != "gguf":
             raise ValueError("a gguf export needs 'weights: {method: gguf, type: ...}'")
+        return self
+
+    @model_validator(mode="after")
+    def _activations_need_rtn_or_gptq_weights(self) -> "Variant":
+        if self.activations is None:
+            return self
+        if self.weights.method not in ("rtn", "gptq"):
+            raise ValueError(f"activations need rtn or gptq weights, not {self.weights.method}")
+        if getattr(self.weights, "outliers", None) is not None:
+            raise ValueError("outliers (16-bit weight columns) are for weight-only variants; with activations use smoothquant")
         return self
 
 

@@ -19,8 +19,10 @@ from formats.hf import DenseSafetensorsWriter, HFCheckpoint, is_linear_weight
 from formats.modelfile import write_modelfile
 from quant.awq import awq_model
 from quant.ggml import FILE_TYPES, encode, tensor_types
-from quant.gptq_model import gptq_model, select_modules
+from quant.gptq_model import gptq_layer, gptq_model, select_modules
+from quant.outliers import mixed_precision_model
 from quant.rtn import quantize_rtn
+from quant.smoothquant import LayerQuantizer, rtn_layer, smoothquant_model
 from quant.types import InputError, TensorPayload, dequantized
 from recipes.schema import AWQWeights, GGUFWeights, GPTQWeights, RTNWeights, Variant
 
@@ -29,11 +31,13 @@ Imatrix = dict[str, np.ndarray]  # HF weight name -> importance per input column
 
 @dataclass
 class BuiltVariant:
-    """A variant's weights as evaluated (float32, by HF name; empty unless kept), its files, its size."""
+    """A variant's weights as evaluated (float32, by HF name; empty unless kept), its files, its
+    size, and for outlier-aware passes the statistics of each Linear's calibration inputs."""
 
     state: dict[str, torch.Tensor]
     files: list[Path]
     bits_per_weight: float
+    input_statistics: dict[str, dict] = field(default_factory=dict)  # quant.outliers.channel_statistics
 
 
 @dataclass
@@ -55,7 +59,7 @@ def plan_variant(ckpt: HFCheckpoint, variant: Variant, imatrix: bool = False) ->
             raise InputError(f"{ckpt.path}: no Linear weights to quantize")
         if isinstance(weights, GPTQWeights):
             try:
-                select_modules([n.removesuffix(".weight") for n in targets], weights.targets, weights.ignore)
+                select_modules(_decoder_linears(ckpt), weights.targets, weights.ignore)
             except InputError as e:
                 raise InputError(f"variant '{variant.name}': {e}") from None
         for n in targets:
@@ -97,7 +101,8 @@ def build_variant(
     """
     plan = plan_variant(ckpt, variant, imatrix is not None)
     progress = progress or Progress(disable=True)
-    fitted = _fit(ckpt, variant, calibration, progress) if isinstance(variant.weights, (GPTQWeights, AWQWeights)) else {}
+    calibrated = variant.needs_calibration and not isinstance(variant.weights, GGUFWeights)
+    fitted, statistics = _fit(ckpt, variant, calibration, progress) if calibrated else ({}, {})
     vdir = out_dir / variant.name
     writers: list = []
     if "safetensors" in variant.exports:
@@ -134,32 +139,70 @@ def build_variant(
     for f in files:
         if f.suffix == ".gguf":
             write_modelfile(f, ckpt)
-    return BuiltVariant(state, files, bits / params)
+    return BuiltVariant(state, files, bits / params, statistics)
 
 
-def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None, progress: Progress) -> dict[str, TensorPayload]:
-    """GPTQ or AWQ streamed from the checkpoint one decoder layer at a time (the float model is never
-    loaded whole): every tensor of the decoder layers it produced, by name (quantized weights, and
-    for AWQ the norms and biases that absorbed its scales). The payloads are kept until the export
-    loop writes them in the checkpoint's tensor order, which is not the layers' order: for a 4-bit
-    variant that is the uint8 codes, a quarter of the float32 weights, plus their scales."""
+def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None, progress: Progress) -> tuple[dict[str, TensorPayload], dict[str, dict]]:
+    """The calibrated passes (GPTQ, AWQ, outlier columns, SmoothQuant before W8A8), streamed from
+    the checkpoint one decoder layer at a time (the float model is never loaded whole): every
+    tensor of the decoder layers they produced, by name (quantized weights, and the norms and
+    biases that absorbed AWQ's or SmoothQuant's scales), and the per-Linear input statistics of the
+    outlier-aware passes, by module name. The payloads are kept until the export loop writes them
+    in the checkpoint's tensor order, which is not the layers' order: for a 4-bit variant that is
+    the uint8 codes, a quarter of the float32 weights, plus their scales."""
     weights = variant.weights
     if windows is None:
         raise InputError(f"variant '{variant.name}': {weights.method} needs calibration text (add 'calibration: {{text: ...}}')")
-    if isinstance(weights, GPTQWeights):
+    if variant.activations is not None:
+        smoothing = smoothquant_model(ckpt, windows, variant.activations.smoothquant, _layer_quantizer(ckpt, weights))
+        layers = (tuple(layer) for layer in smoothing)
+    elif isinstance(weights, GPTQWeights):
         gptq = gptq_model(ckpt, windows, weights.spec, weights.settings, weights.targets, weights.ignore)
-        layers = ({name: r.tensor for name, r in results.items()} for results in gptq)
+        layers = (({name: r.tensor for name, r in results.items()}, {}) for results in gptq)
+    elif isinstance(weights, AWQWeights):
+        layers = ((results, {}) for results in awq_model(ckpt, windows, weights.spec, weights.settings))
     else:
-        layers = awq_model(ckpt, windows, weights.spec, weights.settings)
+        layers = (tuple(layer) for layer in mixed_precision_model(ckpt, windows, weights.spec, weights.outliers.rule))
     fitted: dict[str, TensorPayload] = {}
-    task = progress.add_task(f"{variant.name}: {weights.method.upper()} layers", total=ckpt.config.get("num_hidden_layers"))
+    statistics: dict[str, dict] = {}
+    task = progress.add_task(f"{variant.name}: {_pass_label(variant)} layers", total=ckpt.config.get("num_hidden_layers"))
     try:
-        for results in layers:
-            fitted.update(results)
+        for tensors, stats in layers:
+            fitted.update(tensors)
+            statistics.update(stats)
             progress.advance(task)
     finally:
         progress.remove_task(task)
-    return fitted
+    return fitted, statistics
+
+
+def _layer_quantizer(ckpt: HFCheckpoint, weights: RTNWeights | GPTQWeights) -> LayerQuantizer:
+    """The weight pass run on each decoder layer after SmoothQuant smoothed it."""
+    if isinstance(weights, RTNWeights):
+        return lambda step: rtn_layer(step, weights.spec)
+    chosen = select_modules(_decoder_linears(ckpt), weights.targets, weights.ignore)
+    return lambda step: {n: r.tensor for n, r in gptq_layer(step, weights.spec, weights.settings, chosen).items()}
+
+
+def _pass_label(variant: Variant) -> str:
+    if variant.activations is not None:
+        return "SmoothQuant" if variant.activations.smoothquant is not None else "W8A8"
+    return "outliers" if isinstance(variant.weights, RTNWeights) else variant.weights.method.upper()
+
+
+def _decoder_linears(ckpt: HFCheckpoint) -> list[str]:
+    return [n.removesuffix(".weight") for n in ckpt.names if is_linear_weight(n, ckpt.shape(n))]
+
+
+def activation_modules(ckpt: HFCheckpoint, variant: Variant) -> list[str]:
+    """The Linear modules whose inputs a variant with ``activations`` quantizes: those whose
+    weights it quantizes."""
+    weights = variant.weights
+    linears = _decoder_linears(ckpt)
+    if isinstance(weights, GPTQWeights):
+        chosen = select_modules(linears, weights.targets, weights.ignore)
+        return [n for n in linears if n in chosen]
+    return linears
 
 
 def _quantize(ckpt: HFCheckpoint, variant: Variant, plan: Plan, name: str, imatrix: Imatrix | None) -> TensorPayload:

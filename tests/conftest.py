@@ -26,11 +26,33 @@ SMALL_RECIPE = {
          "weights": {"method": "gptq", "bits": 4, "symmetric": False, "group_size": 64, "act_order": True},
          "exports": ["safetensors"]},
         {"name": "awq-int4-g64", "weights": {"method": "awq", "bits": 4, "group_size": 64}, "exports": ["safetensors"]},
+        {"name": "int4-g64-outliers",
+         "weights": {"method": "rtn", "bits": 4, "symmetric": False, "granularity": "group", "group_size": 64,
+                     "outliers": {"relative": 2.0}}},
+        {"name": "w8a8-smoothquant", "weights": {"method": "rtn", "bits": 8}, "activations": {"format": "int8"},
+         "exports": ["safetensors"]},
         {"name": "f16", "weights": {"method": "gguf", "type": "F16"}, "exports": ["gguf"]},
         {"name": "q8_0", "weights": {"method": "gguf", "type": "Q8_0"}, "exports": ["gguf"]},
         {"name": "q4_k_m-imatrix", "weights": {"method": "gguf", "type": "Q4_K_M", "imatrix": True}, "exports": ["gguf"]},
     ],
 }
+
+
+def tiny_with(folder: Path, changes: dict) -> Path:
+    """A copy of the bundled model in ``folder`` with some tensors replaced (name -> tensor, stored
+    in its own dtype)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in TINY.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, folder / f.name)
+    state = load_file(TINY / "model.safetensors")
+    state.update({n: t.contiguous() for n, t in changes.items()})
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
 
 
 def write_recipe(folder: Path, recipe: dict, name: str = "recipe.yaml") -> Path:

@@ -102,6 +102,29 @@ def test_unknown_or_invalid_values(monkeypatch, capsys, tmp_path, weights, fragm
     run_bad(monkeypatch, capsys, tmp_path, recipe, fragment)
 
 
+@pytest.mark.parametrize(
+    "variant, fragment",
+    [
+        ({"weights": {"method": "awq", "bits": 4}, "activations": {}}, "activations need rtn or gptq weights, not awq"),
+        ({"weights": {"method": "rtn", "bits": 8}, "activations": {"format": "int4"}}, "variants[0](int8).activations.format"),
+        ({"weights": {"method": "rtn", "bits": 8}, "activations": {"smoothquant": 1.5}}, "variants[0](int8).activations.smoothquant"),
+        ({"weights": {"method": "rtn", "bits": 4, "outliers": {}}, "activations": {}}, "outliers (16-bit weight columns) are for weight-only"),
+        ({"weights": {"method": "rtn", "bits": 4, "outliers": {"threshold": -1}}}, "variants[0](int8).weights.outliers.threshold"),
+    ],
+)
+def test_invalid_activations_and_outliers(monkeypatch, capsys, tmp_path, variant, fragment):
+    recipe = recipe_with(tmp_path)
+    recipe["variants"] = [{"name": "int8", **variant}]
+    run_bad(monkeypatch, capsys, tmp_path, recipe, fragment)
+
+
+def test_outliers_without_calibration_text(monkeypatch, capsys, tmp_path):
+    recipe = recipe_with(tmp_path)
+    recipe.pop("calibration")
+    recipe["variants"] = [{"name": "o", "weights": {"method": "rtn", "bits": 4, "outliers": {}}}]
+    run_bad(monkeypatch, capsys, tmp_path, recipe, "variant 'o' is fitted on calibration text")
+
+
 def test_gguf_export_of_an_rtn_variant_is_refused(monkeypatch, capsys, tmp_path):
     recipe = recipe_with(tmp_path)
     recipe["variants"][0]["exports"] = ["gguf"]

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from calib.text import token_windows
-from conftest import BUNDLED, TINY
-from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
+from conftest import BUNDLED, TINY, tiny_with
+from formats.hf import HFCheckpoint, load_tokenizer
 from quant.outliers import OutlierRule, channel_statistics, input_abs_max, mixed_precision_model, mixed_precision_rtn
 from quant.rtn import quantize_rtn
 from quant.types import InputError, MixedPrecisionTensor, QuantSpec, dequantized
@@ -65,25 +65,34 @@ def test_channel_statistics_are_plain_numbers():
     json.dumps(stats)
 
 
-def _tiny():
+def _windows(ckpt):
+    return token_windows(load_tokenizer(ckpt), BUNDLED / "calib.txt", 128, 4)
+
+
+def test_mixed_precision_model_keeps_the_outlier_columns_it_reports():
     ckpt = HFCheckpoint.open(TINY)
-    return load_causal_lm(ckpt), token_windows(load_tokenizer(ckpt), BUNDLED / "calib.txt", 128, 4)
+    windows = _windows(ckpt)
+    abs_max = input_abs_max(ckpt, windows)
+    rule = OutlierRule(6.0, 2.0)
+    layers = list(mixed_precision_model(ckpt, windows, SPEC, rule))
+    assert len(layers) == ckpt.config["num_hidden_layers"]
+    weights = {n: t for layer in layers for n, t in layer.tensors.items()}
+    statistics = {n: s for layer in layers for n, s in layer.statistics.items()}
+    assert len(weights) == 7 * len(layers) == len(statistics)
+    assert statistics == channel_statistics(abs_max, rule)
+    for name, tensor in weights.items():
+        module = name.removesuffix(".weight")
+        assert torch.equal(tensor.columns, rule.channels(abs_max[module]))
+        assert tensor.columns.numel() == statistics[module]["outlier_channels"]
+        kept = tensor.columns.long()  # bf16 weights in fp16: exact but for fp16's subnormals (steps of 2^-24)
+        torch.testing.assert_close(tensor.dequantize()[:, kept], ckpt.tensor(name).float()[:, kept], rtol=0, atol=2.0**-25)
+    assert sum(t.columns.numel() for t in weights.values()) > 0
 
 
-def test_mixed_precision_model_holds_the_weights_it_returns():
-    model, windows = _tiny()
-    result = mixed_precision_model(model, windows, SPEC)
-    assert len(result.weights) == 7 * len(model.model.layers) == len(result.statistics)
-    params = dict(model.named_parameters())
-    for name, tensor in result.weights.items():
-        assert torch.equal(tensor.dequantize(), params[name])
-        assert tensor.columns.numel() == result.statistics[name.removesuffix(".weight")]["outlier_channels"]
-    assert sum(t.columns.numel() for t in result.weights.values()) > 0
-
-
-def test_nan_activations_during_calibration_name_the_module():
-    model, windows = _tiny()
-    with torch.no_grad():
-        model.model.layers[1].self_attn.v_proj.weight[0, 0] = float("nan")  # poisons o_proj's input only
+def test_nan_activations_during_calibration_name_the_module(tmp_path):
+    ckpt = HFCheckpoint.open(TINY)
+    v = ckpt.tensor("model.layers.1.self_attn.v_proj.weight").clone()
+    v[0, 0] = float("nan")  # poisons o_proj's input only
+    poisoned = HFCheckpoint.open(tiny_with(tmp_path, {"model.layers.1.self_attn.v_proj.weight": v}))
     with pytest.raises(InputError, match=r"^model\.layers\.1\.self_attn\.o_proj: its calibration inputs contain NaN or Inf$"):
-        input_abs_max(model, windows)
+        input_abs_max(poisoned, _windows(ckpt))

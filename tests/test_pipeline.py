@@ -18,7 +18,8 @@ from recipes.schema import Variant
 def test_report_compares_every_variant_with_the_original(small_run):
     out, report = small_run
     rows = {r["name"]: r for r in report["variants"]}
-    assert list(rows) == ["original", "int8", "int4-g64-asym", "gptq-int4-g64-asym", "awq-int4-g64", "f16", "q8_0", "q4_k_m-imatrix"]
+    assert list(rows) == ["original", "int8", "int4-g64-asym", "gptq-int4-g64-asym", "awq-int4-g64", "int4-g64-outliers",
+                          "w8a8-smoothquant", "f16", "q8_0", "q4_k_m-imatrix"]
     assert report["evaluation"]["windows"] == 2
     assert rows["original"]["kld"] is None and rows["original"]["tokens"] == 2 * 511
     assert 20 < rows["original"]["ppl"] < 200
@@ -39,8 +40,20 @@ def test_report_compares_every_variant_with_the_original(small_run):
     assert rows["gptq-int4-g64-asym"]["method"] == "gptq int4-g64-asym act-order"
     assert rows["gptq-int4-g64-asym"]["bits_per_weight"] > rows["int4-g64-asym"]["bits_per_weight"]  # + g_idx
     assert rows["awq-int4-g64"]["kld"] < rows["int4-g64-asym"]["kld"] and rows["awq-int4-g64"]["method"] == "awq int4-g64-asym"
+    # fp16 outlier columns: a few more bits than the plain grid, less damage; their statistics reported
+    outliers = rows["int4-g64-outliers"]
+    assert outliers["method"] == "rtn int4-g64-asym fp16-outliers"
+    assert rows["int4-g64-asym"]["bits_per_weight"] < outliers["bits_per_weight"] < rows["int4-g64-asym"]["bits_per_weight"] + 0.5
+    assert outliers["kld"] < rows["int4-g64-asym"]["kld"]
+    assert len(outliers["input_statistics"]) == 7 * 6 and sum(s["outlier_channels"] for s in outliers["input_statistics"].values()) > 0
+    # W8A8: the activations' quantization is part of what is scored (int8 weights alone move it less)
+    w8a8 = rows["w8a8-smoothquant"]
+    assert w8a8["method"] == "rtn int8-channel-sym a-int8-token smoothquant-0.5"
+    assert rows["int8"]["kld"] < w8a8["kld"] < rows["int4-g64-asym"]["kld"]
+    assert set(w8a8["input_statistics"]) == set(outliers["input_statistics"])
     md = (out / "report.md").read_text()
     assert "| int4-g64-asym | rtn int4-g64-asym |" in md
+    assert "## Activation outliers: int4-g64-outliers" in md and "## Activation outliers: w8a8-smoothquant" in md
     assert not list(out.rglob("*.partial"))
 
 
@@ -49,6 +62,7 @@ def test_every_export_listed_in_the_report_exists(small_run):
     files = [f for r in report["variants"] for f in r["files"]]
     assert {f["path"] for f in files} == {
         "int8/safetensors", "int4-g64-asym/safetensors", "gptq-int4-g64-asym/safetensors", "awq-int4-g64/safetensors",
+        "w8a8-smoothquant/safetensors",
         "f16/tiny-F16.gguf", "q8_0/tiny-Q8_0.gguf",
         "q4_k_m-imatrix/tiny-Q4_K_M.gguf",
     }
