@@ -17,7 +17,7 @@ with ``G = Σ x xᵀ``, so the searches use all calibration tokens at the cost o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Collection, Iterator
 
 import torch
 
@@ -45,24 +45,27 @@ def awq_model(
     spec: QuantSpec,
     settings: AWQSettings = AWQSettings(),
     quantize: bool = True,
+    modules: Collection[str] | None = None,
 ) -> Iterator[dict[str, TensorPayload]]:
     """Scale, clip and quantize every decoder layer's Linear weights, layer by layer as they stream
     from the checkpoint (``calib.streaming``), yielding one dict per layer, by weight name, on the
     CPU: the quantized weights and every other tensor of the layer as it now is (the norms and
     feeding Linear rows absorb the scales). With ``quantize=False`` only the (exactly equivalent)
-    scaling is applied and every tensor comes back in float."""
+    scaling is applied and every tensor comes back in float. ``modules`` (full names; all by
+    default) limits which Linear weights are quantized; the scaling, exact in float, is applied
+    throughout."""
     for base, layer, inputs in walk_layers(ckpt, skeleton(ckpt), windows):
-        modules = dict(layer.named_modules())
-        for feeder, targets in layer_mappings(modules, "AWQ"):
+        layer_modules = dict(layer.named_modules())
+        for feeder, targets in layer_mappings(layer_modules, "AWQ"):
             stats = input_statistics(layer, inputs, targets[:1])[targets[0]]
-            scales = _search_scales([modules[t].weight.data for t in targets], stats, spec, settings)
-            fold_scales(modules[feeder], [modules[t] for t in targets], scales)
+            scales = _search_scales([layer_modules[t].weight.data for t in targets], stats, spec, settings)
+            fold_scales(layer_modules[feeder], [layer_modules[t] for t in targets], scales)
         results: dict[str, TensorPayload] = {}
         if quantize:
-            linears = [n for n, m in modules.items() if isinstance(m, torch.nn.Linear)]
+            linears = [n for n, m in layer_modules.items() if isinstance(m, torch.nn.Linear) and (modules is None or base + n in modules)]
             stats = input_statistics(layer, inputs, linears)
             for name in linears:
-                weight = modules[name].weight
+                weight = layer_modules[name].weight
                 if settings.clip and not name.endswith(_NO_CLIP):
                     weight.data = _clip(weight.data, stats[name], spec, base + name)
                 quantized = quantize_rtn(weight.data, spec, base + name)

@@ -13,7 +13,7 @@ shows to explain why a layer suffers under activation quantization.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple
+from typing import Collection, Iterator, NamedTuple
 
 import torch
 
@@ -103,15 +103,22 @@ def mixed_precision_rtn(weight: torch.Tensor, spec: QuantSpec, columns: torch.Te
     return MixedPrecisionTensor(quantize_rtn(w, spec, name), columns.to(torch.int32), dense)
 
 
-def mixed_precision_model(ckpt: HFCheckpoint, windows: torch.Tensor, spec: QuantSpec, rule: OutlierRule = OutlierRule()) -> Iterator[LayerResult]:
-    """RTN on every decoder-layer Linear weight, keeping each one's outlier input columns (found on
-    the calibration windows of the float model) in fp16; one ``LayerResult`` per decoder layer, as
-    the layers stream from the checkpoint."""
+def mixed_precision_model(
+    ckpt: HFCheckpoint,
+    windows: torch.Tensor,
+    spec: QuantSpec,
+    rule: OutlierRule = OutlierRule(),
+    modules: Collection[str] | None = None,
+) -> Iterator[LayerResult]:
+    """RTN on the decoder-layer Linear weights (those in ``modules``, full names; all by default),
+    keeping each one's outlier input columns (found on the calibration windows of the float model)
+    in fp16; one ``LayerResult`` per decoder layer, as the layers stream from the checkpoint. The
+    statistics cover every Linear."""
     for step in walk_layers(ckpt, skeleton(ckpt), windows):
         abs_max = layer_input_abs_max(step)
-        modules = dict(step.layer.named_modules())
+        linears = dict(step.layer.named_modules())
         tensors = {
-            f"{step.prefix}{n}.weight": to_cpu(mixed_precision_rtn(modules[n].weight.data, spec, rule.channels(a), f"{step.prefix}{n}.weight"))
-            for n, a in abs_max.items()
+            f"{step.prefix}{n}.weight": to_cpu(mixed_precision_rtn(linears[n].weight.data, spec, rule.channels(a), f"{step.prefix}{n}.weight"))
+            for n, a in abs_max.items() if modules is None or step.prefix + n in modules
         }
         yield LayerResult(tensors, channel_statistics({step.prefix + n: a for n, a in abs_max.items()}, rule))

@@ -13,7 +13,7 @@ left as it is (see quant/folding.py).
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Collection, Iterator
 
 import torch
 
@@ -49,12 +49,13 @@ def smooth_layer(step: LayerStep, alpha: float) -> dict[str, torch.Tensor]:
     return abs_max
 
 
-def rtn_layer(step: LayerStep, spec: QuantSpec) -> dict[str, QuantizedTensor]:
-    """Round-to-nearest on every Linear weight of one decoder layer of a walk; the layer keeps the
-    quantized weights, so the layers after it are calibrated on what the quantized model computes."""
+def rtn_layer(step: LayerStep, spec: QuantSpec, modules: Collection[str] | None = None) -> dict[str, QuantizedTensor]:
+    """Round-to-nearest on the Linear weights of one decoder layer of a walk (those in ``modules``,
+    full names; all by default); the layer keeps the quantized weights, so the layers after it are
+    calibrated on what the quantized model computes."""
     results = {}
     for name, module in step.layer.named_modules():
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, torch.nn.Linear) and (modules is None or step.prefix + name in modules):
             tensor = quantize_rtn(module.weight.data, spec, f"{step.prefix}{name}.weight")
             module.weight.data = tensor.dequantize().to(module.weight.dtype)
             results[f"{step.prefix}{name}.weight"] = to_cpu(tensor)

@@ -110,6 +110,32 @@ def inspect(file: Path = typer.Argument(..., help="A .gguf or .safetensors file.
     stdout.print(tensors)
 
 
+@app.command()
+def fit(
+    model: str = typer.Argument(..., help="A preset (e.g. llama-3.1-8b; --list shows them), a model folder or config.json, or a GGUF file."),
+    weights: str = typer.Option("bf16", "--weights", "-w", help="fp32 bf16 fp16 fp8 int8 int4 gptq awq, or a GGUF file type (q4_k_m, q8_0, ...)."),
+    group_size: int = typer.Option(128, "--group-size", help="Group size of int4, gptq and awq weights."),
+    kv_cache: str = typer.Option("fp16", "--kv-cache", help="KV-cache dtype: fp16 bf16 fp8 int8 int4."),
+    context: int = typer.Option(8192, "--context", "-c", help="Tokens per user (prompt and output)."),
+    users: int = typer.Option(1, "--users", "-u", help="Concurrent sequences."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="A catalog GPU (e.g. a100-40gb, rtx-4090) or custom:MEM_GIB,BANDWIDTH_GBS; default h100-80gb (with --quantizing: this machine's RAM)."),
+    gpus: int = typer.Option(1, "--gpus", help="GPUs, with tensor parallelism."),
+    engine: str = typer.Option("vllm", "--engine", help="vllm, llamacpp or transformers: how the engine sizes its memory."),
+    quantizing: Optional[str] = typer.Option(None, "--quantizing", help="Instead: memory needed to quantize the model with rtn, gptq or awq."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout (fields in docs/fit.md)."),
+) -> None:
+    """Will a model fit on a GPU: memory breakdown, how many users, how long a context, how fast."""
+    import json
+
+    from runner.fit_cli import fit_command
+
+    result = fit_command(model, weights, group_size, kv_cache, context, users, gpu, gpus, engine, quantizing)
+    if as_json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        result.print(stdout)
+
+
 def main() -> None:
     args = sys.argv[1:]
     commands = {c.name or c.callback.__name__ for c in app.registered_commands}

@@ -25,7 +25,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class _GridWeights(_Strict):
+class _Targeted(_Strict):
+    """Which decoder Linear modules a method quantizes: name patterns (shell-style, e.g.
+    ``*.mlp.*``) to include and to leave in full precision. The output head is never quantized."""
+
+    targets: list[str] = Field(default=["*"], min_length=1)
+    ignore: list[str] = []
+
+
+class _GridWeights(_Targeted):
     """The number format and range fields that RTN and GPTQ share. Each is checked against the
     format in its own validator, so an error names the field (``weights.bits``), not the variant.
     Float formats have a fixed width: ``bits`` may be left out, and must match when given."""
@@ -110,8 +118,6 @@ class GPTQWeights(_GridWeights):
     act_order: bool = False
     static_groups: bool = False
     damp: float = Field(default=0.01, gt=0, le=1)
-    targets: list[str] = Field(default=["*"], min_length=1)  # module name patterns, e.g. "*.mlp.*"
-    ignore: list[str] = []
 
     @property
     def spec(self) -> QuantSpec:
@@ -122,7 +128,7 @@ class GPTQWeights(_GridWeights):
         return GPTQSettings(damp=self.damp, act_order=self.act_order, static_groups=self.static_groups)
 
 
-class AWQWeights(_Strict):
+class AWQWeights(_Targeted):
     """AWQ on the decoder layers' Linear weights: activation-aware scales folded into the norms and
     feeding Linear rows, clipping search, then round-to-nearest on the scaled weights."""
 

@@ -46,6 +46,7 @@ class Plan:
 
     names: list[str]
     ggml_types: dict[str, str] = field(default_factory=dict)
+    quantized: set[str] = field(default_factory=set)  # RTN/GPTQ/AWQ: the weights they quantize
 
 
 def plan_variant(ckpt: HFCheckpoint, variant: Variant, imatrix: bool = False) -> Plan:
@@ -54,14 +55,13 @@ def plan_variant(ckpt: HFCheckpoint, variant: Variant, imatrix: bool = False) ->
     weights = variant.weights
     if isinstance(weights, (RTNWeights, GPTQWeights, AWQWeights)):
         spec = weights.spec
-        targets = [n for n in names if is_linear_weight(n, ckpt.shape(n))]
-        if not targets:
+        if not _decoder_linears(ckpt):
             raise InputError(f"{ckpt.path}: no Linear weights to quantize")
-        if isinstance(weights, GPTQWeights):
-            try:
-                select_modules(_decoder_linears(ckpt), weights.targets, weights.ignore)
-            except InputError as e:
-                raise InputError(f"variant '{variant.name}': {e}") from None
+        try:
+            chosen = chosen_modules(ckpt, weights)
+        except InputError as e:
+            raise InputError(f"variant '{variant.name}': {e}") from None
+        targets = [f"{m}.weight" for m in chosen]
         for n in targets:
             rows, cols = ckpt.shape(n)
             if spec.granularity == "group" and cols % spec.group_size:
@@ -72,7 +72,7 @@ def plan_variant(ckpt: HFCheckpoint, variant: Variant, imatrix: bool = False) ->
                 raise InputError(
                     f"variant '{variant.name}': block size {spec.group_size} does not divide the shape {rows}x{cols} of tensor '{n}'"
                 )
-        return Plan(names)
+        return Plan(names, quantized=set(targets))
     if "gguf" in variant.exports:
         architecture_of(ckpt)
         check_shapes(ckpt)
@@ -160,9 +160,11 @@ def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None, pro
         gptq = gptq_model(ckpt, windows, weights.spec, weights.settings, weights.targets, weights.ignore)
         layers = (({name: r.tensor for name, r in results.items()}, {}) for results in gptq)
     elif isinstance(weights, AWQWeights):
-        layers = ((results, {}) for results in awq_model(ckpt, windows, weights.spec, weights.settings))
+        awq = awq_model(ckpt, windows, weights.spec, weights.settings, modules=chosen_modules(ckpt, weights))
+        layers = ((results, {}) for results in awq)
     else:
-        layers = (tuple(layer) for layer in mixed_precision_model(ckpt, windows, weights.spec, weights.outliers.rule))
+        outliers = mixed_precision_model(ckpt, windows, weights.spec, weights.outliers.rule, chosen_modules(ckpt, weights))
+        layers = (tuple(layer) for layer in outliers)
     fitted: dict[str, TensorPayload] = {}
     statistics: dict[str, dict] = {}
     task = progress.add_task(f"{variant.name}: {_pass_label(variant)} layers", total=ckpt.config.get("num_hidden_layers"))
@@ -178,9 +180,9 @@ def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None, pro
 
 def _layer_quantizer(ckpt: HFCheckpoint, weights: RTNWeights | GPTQWeights) -> LayerQuantizer:
     """The weight pass run on each decoder layer after SmoothQuant smoothed it."""
+    chosen = chosen_modules(ckpt, weights)
     if isinstance(weights, RTNWeights):
-        return lambda step: rtn_layer(step, weights.spec)
-    chosen = select_modules(_decoder_linears(ckpt), weights.targets, weights.ignore)
+        return lambda step: rtn_layer(step, weights.spec, chosen)
     return lambda step: {n: r.tensor for n, r in gptq_layer(step, weights.spec, weights.settings, chosen).items()}
 
 
@@ -194,15 +196,18 @@ def _decoder_linears(ckpt: HFCheckpoint) -> list[str]:
     return [n.removesuffix(".weight") for n in ckpt.names if is_linear_weight(n, ckpt.shape(n))]
 
 
+def chosen_modules(ckpt: HFCheckpoint, weights: RTNWeights | GPTQWeights | AWQWeights) -> list[str]:
+    """The decoder Linear modules the weights' ``targets`` and ``ignore`` patterns pick, in
+    checkpoint order."""
+    linears = _decoder_linears(ckpt)
+    chosen = select_modules(linears, weights.targets, weights.ignore)
+    return [n for n in linears if n in chosen]
+
+
 def activation_modules(ckpt: HFCheckpoint, variant: Variant) -> list[str]:
     """The Linear modules whose inputs a variant with ``activations`` quantizes: those whose
     weights it quantizes."""
-    weights = variant.weights
-    linears = _decoder_linears(ckpt)
-    if isinstance(weights, GPTQWeights):
-        chosen = select_modules(linears, weights.targets, weights.ignore)
-        return [n for n in linears if n in chosen]
-    return linears
+    return chosen_modules(ckpt, variant.weights)
 
 
 def _quantize(ckpt: HFCheckpoint, variant: Variant, plan: Plan, name: str, imatrix: Imatrix | None) -> TensorPayload:
@@ -211,7 +216,7 @@ def _quantize(ckpt: HFCheckpoint, variant: Variant, plan: Plan, name: str, imatr
     tensor = ckpt.tensor(name)
     weights = variant.weights
     if not isinstance(weights, GGUFWeights):
-        if isinstance(weights, RTNWeights) and is_linear_weight(name, tuple(tensor.shape)):
+        if isinstance(weights, RTNWeights) and name in plan.quantized:
             return quantize_rtn(tensor, weights.spec, name)
         if not torch.isfinite(tensor).all():
             raise InputError(f"{ckpt.path}: tensor '{name}' contains NaN or Inf")

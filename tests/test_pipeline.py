@@ -144,3 +144,23 @@ def test_same_recipe_gives_byte_identical_files(tmp_path):
         build_variant(ckpt, variant, tmp_path / run)
         build_variant(ckpt, dense, tmp_path / run)
     assert digest(tmp_path / "a") == digest(tmp_path / "b")
+
+
+def test_targets_and_ignore_choose_the_modules_rtn_and_awq_quantize(tmp_path):
+    from calib.text import sample_windows
+    from conftest import BUNDLED
+    from formats.hf import load_tokenizer
+
+    ckpt = HFCheckpoint.open(TINY)
+    rtn = Variant.model_validate({"name": "r", "weights": {"method": "rtn", "bits": 4, "targets": ["*.mlp.*"], "ignore": ["*.down_proj"]}})
+    state = build_variant(ckpt, rtn, tmp_path).state
+    for name, tensor in state.items():
+        source = ckpt.tensor(name).float()
+        quantized = ".mlp.gate_proj." in name or ".mlp.up_proj." in name
+        assert torch.equal(tensor, source) != quantized, name
+    windows = sample_windows(load_tokenizer(ckpt), BUNDLED / "calib.txt", 128, 2)
+    awq = Variant.model_validate({"name": "a", "weights": {"method": "awq", "bits": 4, "group_size": 64, "ignore": ["*.self_attn.*"]}})
+    state = build_variant(ckpt, awq, tmp_path, calibration=windows).state
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight"):
+        levels = max(row.unique().numel() for row in state[name][:, :64])  # one group of 64 columns per row
+        assert (levels <= 16) == (".mlp." in name), name  # the attention weights are scaled, not quantized
