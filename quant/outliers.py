@@ -116,9 +116,9 @@ def mixed_precision_model(
     statistics cover every Linear."""
     for step in walk_layers(ckpt, skeleton(ckpt), windows):
         abs_max = layer_input_abs_max(step)
-        linears = dict(step.layer.named_modules())
+        layer_modules = dict(step.layer.named_modules())
         tensors = {
-            f"{step.prefix}{n}.weight": to_cpu(mixed_precision_rtn(linears[n].weight.data, spec, rule.channels(a), f"{step.prefix}{n}.weight"))
+            f"{step.prefix}{n}.weight": to_cpu(mixed_precision_rtn(layer_modules[n].weight.data, spec, rule.channels(a), f"{step.prefix}{n}.weight"))
             for n, a in abs_max.items() if modules is None or step.prefix + n in modules
         }
         yield LayerResult(tensors, channel_statistics({step.prefix + n: a for n, a in abs_max.items()}, rule))

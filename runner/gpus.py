@@ -21,13 +21,15 @@ class GPU:
     memory_bytes: int
     bandwidth: float  # bytes per second
     flops: float | None  # dense BF16 FLOP/s; None where unknown (custom devices)
+    vendor: str = "custom"
 
 
 @cache
 def catalog() -> dict[str, GPU]:
     entries = json.loads((PRESETS / "gpus.json").read_text(encoding="utf-8"))
     return {
-        name: GPU(name, int(e["memory_gib"] * GIB), e["bandwidth_gbs"] * 1e9, e["bf16_tflops"] * 1e12 if e.get("bf16_tflops") else None)
+        name: GPU(name, int(e["memory_gib"] * GIB), e["bandwidth_gbs"] * 1e9, e["bf16_tflops"] * 1e12 if e.get("bf16_tflops") else None,
+                  e["vendor"])
         for name, e in entries.items() if not name.startswith("_")
     }
 

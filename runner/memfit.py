@@ -238,7 +238,11 @@ def fit(shape: ModelShape, q: FitQuery, smallest: bool = True) -> FitResult:
 
 
 def smallest_gpu(shape: ModelShape, q: FitQuery) -> str | None:
+    """The catalog GPU with the least memory that fits the query, among those the engine runs on
+    (vLLM: not Apple's)."""
     for gpu in sorted(catalog().values(), key=lambda g: (g.memory_bytes, g.name)):
+        if q.engine.name == "vllm" and gpu.vendor == "apple":
+            continue
         trial = FitQuery(q.weights, q.group_size, q.kv_cache, q.context, q.users, gpu, q.gpus, q.engine)
         if fit(shape, trial, smallest=False).fits:
             return gpu.name

@@ -157,3 +157,11 @@ def test_a_file_that_is_not_gguf_is_refused(monkeypatch, capsys, tmp_path):
     text.write_text("hello")
     code, _, err = quantize_fit(monkeypatch, capsys, text)
     assert code == 2 and "notes.gguf: not a readable GGUF file" in err
+
+
+def test_smallest_gpu_is_one_the_engine_runs_on():
+    shape = load_model_shape("llama-3.1-70b")  # 131 GiB of bf16 weights: more than 90% of an H200
+    query = lambda engine: FitQuery("bf16", 128, "fp16", 4096, 1, resolve_gpu("h200-141gb"), 1, ENGINES[engine])  # noqa: E731
+    vllm = resolve_gpu(fit(shape, query("vllm")).smallest_gpu)
+    assert vllm.vendor != "apple" and vllm.memory_bytes >= 192 * GIB  # vLLM has no Metal backend: MI300X, not an M2 Ultra
+    assert fit(shape, query("llamacpp")).smallest_gpu == "h200-141gb"  # llama.cpp takes all of the memory
