@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from quant.types import InputError
-from runner.model_shape import PRESETS, _suggest
+from runner.model_shape import PRESETS, suggest_names
 
 GIB = 1024**3
 
@@ -49,5 +49,5 @@ def resolve_gpu(name: str) -> GPU:
         raise InputError(f"--gpu {name}: expected custom:MEM_GIB,BANDWIDTH_GBS, e.g. custom:48,960")
     gpu = catalog().get(name.lower())
     if gpu is None:
-        raise InputError(f"--gpu {name}: unknown GPU{_suggest(name, sorted(catalog()))}")
+        raise InputError(f"--gpu {name}: unknown GPU{suggest_names(name, sorted(catalog()))}")
     return gpu

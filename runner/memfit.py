@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from formats.hf import is_linear_weight
 from quant.ggml.rules import FILE_TYPES, tensor_types
 from quant.types import InputError
 from runner.gpus import GIB, GPU, catalog
@@ -119,17 +120,17 @@ def weights_bytes(shape: ModelShape, fmt: str, group_size: int = 128) -> int:
         return sum(shape.gguf_bytes.values())
     key = fmt.lower()
     if key in _FLOAT_FORMATS:
-        return sum(_numel(s) * _FLOAT_FORMATS[key] for _, s in shape.tensors) // 8
+        return sum(math.prod(s) * _FLOAT_FORMATS[key] for _, s in shape.tensors) // 8
     if key in _INT_FORMATS:
         bits, scale, zero, index = _INT_FORMATS[key]
         total = 0.0
         for name, s in shape.tensors:
-            if not _quantized_linear(name, s):
-                total += _numel(s) * 16
+            if not is_linear_weight(_rules_name(name, s), s[-2:]):  # decoder Linear and expert weights
+                total += math.prod(s) * 16
                 continue
-            rows, cols = _numel(s[:-1]), s[-1]
+            rows, cols = math.prod(s[:-1]), s[-1]
             groups = cols // group_size if key in ("int4", "gptq", "awq") and cols % group_size == 0 else 1
-            total += _numel(s) * bits + rows * groups * (scale + zero) + cols * index * _numel(s[:-2])
+            total += math.prod(s) * bits + rows * groups * (scale + zero) + cols * index * math.prod(s[:-2])
         return int(total // 8)
     upper = fmt.upper()
     if upper not in FILE_TYPES:
@@ -139,7 +140,7 @@ def weights_bytes(shape: ModelShape, fmt: str, group_size: int = 128) -> int:
     total = 0
     for name, s in named:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType[types[name]]]
-        total += _numel(s) // block * size
+        total += math.prod(s) // block * size
     return total
 
 
@@ -147,7 +148,7 @@ def active_weights_bytes(shape: ModelShape, weights: int) -> float:
     """Weight bytes one token reads: a mixture of experts reads its routed experts only."""
     if shape.expert_fraction >= 1.0:
         return float(weights)
-    sizes = shape.gguf_bytes or {n: _numel(s) for n, s in shape.tensors}
+    sizes = shape.gguf_bytes or {n: math.prod(s) for n, s in shape.tensors}
     total = sum(sizes.values())
     expert = sum(v for n, v in sizes.items() if is_expert(n))
     return weights * (1.0 - expert / total * (1.0 - shape.expert_fraction))
@@ -299,19 +300,7 @@ def _kv_bits(kv_cache: str) -> float:
     return KV_BITS[kv_cache]
 
 
-def _quantized_linear(name: str, shape: tuple[int, ...]) -> bool:
-    """The tensors integer formats quantize: the decoder's Linear and expert weights."""
-    return len(shape) >= 2 and "norm" not in name and "embed" not in name and not name.startswith("lm_head")
-
-
 def _rules_name(name: str, shape: tuple[int, ...]) -> str:
     """transformers stores fused expert weights without a ``.weight`` suffix; llama.cpp's rules
     treat them as weights."""
     return f"{name}.weight" if len(shape) >= 2 and not name.endswith((".weight", ".bias")) else name
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

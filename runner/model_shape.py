@@ -12,6 +12,7 @@ layer keeps (sliding-window layers of Gemma and Mistral hold at most ``window`` 
 
 from __future__ import annotations
 
+import math
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,12 +56,12 @@ class ModelShape:
 
     @property
     def parameters(self) -> int:
-        return sum(_numel(shape) for _, shape in self.tensors)
+        return sum(math.prod(shape) for _, shape in self.tensors)
 
     @property
     def active_parameters(self) -> float:
         """Parameters one token's forward pass reads (mixture of experts: its experts only)."""
-        return sum(_numel(shape) * (self.expert_fraction if is_expert(name) else 1.0) for name, shape in self.tensors)
+        return sum(math.prod(shape) * (self.expert_fraction if is_expert(name) else 1.0) for name, shape in self.tensors)
 
 
 def is_expert(name: str) -> bool:
@@ -87,7 +88,7 @@ def load_model_shape(model: str) -> ModelShape:
         return shape_from_config(_read_config(path), path.parent.name if path.name == "config.json" else path.stem)
     if model in preset_names():
         return shape_from_config(_read_config(PRESETS / f"{model}.json"), model)
-    raise InputError(f"{model}: not a preset, a model folder, a config.json or a GGUF file{_suggest(model, preset_names())}")
+    raise InputError(f"{model}: not a preset, a model folder, a config.json or a GGUF file{suggest_names(model, preset_names())}")
 
 
 def shape_from_config(config: dict, name: str) -> ModelShape:
@@ -177,15 +178,9 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def _suggest(name: str, known: list[str]) -> str:
+def suggest_names(name: str, known: list[str]) -> str:
+    """' (did you mean a, b?)' for the known names closest to ``name``, else ' (one of: ...)'."""
     import difflib
 
     close = difflib.get_close_matches(name.lower(), known, n=3, cutoff=0.5)
-    return f" (did you mean {', '.join(close)}?)" if close else f" (presets: {', '.join(known)})"
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return f" (did you mean {', '.join(close)}?)" if close else f" (one of: {', '.join(known)})"

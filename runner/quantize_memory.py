@@ -9,6 +9,7 @@ scales), kept until the export writes them in the checkpoint's order.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from runner.gpus import GIB
@@ -37,12 +38,12 @@ def quantizing_memory(shape: ModelShape, method: str, windows: int = 128, window
     """Peak memory of ``method`` (rtn, gptq, awq) on ``shape`` with ``windows`` calibration windows
     of ``window`` tokens, in bytes, with the terms that make it up."""
     layer_tensors = [(n, s) for n, s in shape.tensors if ".layers.0." in n]
-    largest = max(_numel(s) for _, s in shape.tensors)
+    largest = max(math.prod(s) for _, s in shape.tensors)
     if method == "rtn":
         # the source tensor in float32, a working copy, the codes and the dequantized weights
         parts = {"process": PROCESS_BYTES, "tensor in flight": 3 * largest * _F32 + largest}
         return QuantizingMemory(method, sum(parts.values()), parts)
-    layer_params = sum(_numel(s) for _, s in layer_tensors)
+    layer_params = sum(math.prod(s) for _, s in layer_tensors)
     decoder_params = layer_params * len(shape.layers)
     hidden = windows * window * shape.hidden * _F32
     inputs = {s[-1] for n, s in layer_tensors if len(s) == 2}
@@ -60,10 +61,3 @@ def quantizing_memory(shape: ModelShape, method: str, windows: int = 128, window
         # the scale search quantizes the concatenated weights of one group (gate+up) at each step
         parts["scale search copies"] = 3 * 2 * shape.intermediate * shape.hidden * _F32
     return QuantizingMemory(method, sum(parts.values()), parts)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
