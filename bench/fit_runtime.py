@@ -1,14 +1,22 @@
-"""``quantize fit``'s llama.cpp prediction against a real llama.cpp run, on the CPU.
+"""``quantize fit``'s memory prediction against real inference runs of the shared models, on the CPU.
 
-For three configurations of the shared models (GGUF files exported by quantbench, run by
-llama-cpp-python with flash attention), a child process records its resident memory just before
-the model is loaded, then loads it, evaluates a prompt that fills the context but for a few tokens,
-generates those, and reports its peak resident memory. The growth (peak minus before) is what the
-run needed: the weights (memory mapped, all read during inference), the KV cache, the compute
-buffer and the batch of logits the runtime hands out. The prediction is the calculator's weights +
-KV cache + activations (compute buffer and logits) for the same file, context and cache type,
-without the GPU runtime overhead it adds on a GPU (CUDA context), which has no CPU counterpart.
-Target: within 10%.
+llama.cpp (llama-cpp-python, flash attention, GGUF files exported by quantbench): a child process
+records its resident memory just before the model is loaded, then loads it, evaluates a prompt that
+fills the context but for a few tokens, generates those, and reports its peak resident memory. The
+growth (peak minus before) is what the run needed: the weights (memory mapped, all read during
+inference), the KV cache, the compute buffer and the batch of logits the runtime hands out. The
+prediction is the calculator's weights + KV cache + activations for the same file, context and
+cache type, without the GPU runtime overhead (CUDA context), which has no CPU counterpart.
+
+transformers (``generate`` of 8 tokens after a batch of prompts that fill the context): the
+measurement is the peak of live tensor bytes, parameters included, which is what
+``torch.cuda.max_memory_allocated`` reports on a GPU; a ``TorchDispatchMode`` tracks every tensor
+an operator returns until it is freed. (Resident memory on a CPU is higher: its bfloat16 matrix
+products convert through float32 buffers that a GPU does not need.) The prediction is weights + KV
+cache (in the model's dtype) + the transformers profile's activations, without the 0.5 GiB runtime
+overhead.
+
+Target: within 10% for every configuration.
 
     python bench/fit_runtime.py [--models DIR]
 """
@@ -25,11 +33,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-# (model folder name, GGUF file type, context tokens, KV-cache type)
-CONFIGS = [("ref", "Q8_0", 8192, "fp16"), ("ref", "F16", 16384, "int8"), ("tiny", "F16", 8192, "int4")]
+# (engine, model folder name, weights: GGUF file type or torch dtype, users, context tokens, KV-cache type)
+CONFIGS = [
+    ("llamacpp", "ref", "Q8_0", 1, 8192, "fp16"),
+    ("llamacpp", "ref", "F16", 1, 16384, "int8"),
+    ("llamacpp", "tiny", "F16", 1, 8192, "int4"),
+    ("transformers", "ref", "bf16", 4, 2048, "bf16"),
+    ("transformers", "ref", "fp32", 2, 2048, "fp32"),
+    ("transformers", "tiny", "bf16", 8, 1024, "bf16"),
+    ("transformers", "wide", "bf16", 4, 1024, "bf16"),  # random weights, intermediate 5.3x hidden (the others: 3x)
+]
+# A Qwen2-shaped model (q/k/v biases, tied embeddings) whose MLP is wider than the shared models'.
+WIDE = {"model_type": "qwen2", "hidden_size": 384, "intermediate_size": 2048, "num_hidden_layers": 4,
+        "num_attention_heads": 6, "num_key_value_heads": 2, "vocab_size": 8192, "tie_word_embeddings": True,
+        "max_position_embeddings": 4096}
 _GGML_KV = {"fp16": 1, "int8": 8, "int4": 2}  # ggml type ids for llama.cpp's cache: F16, Q8_0, Q4_0
 
-CHILD = r"""
+LLAMACPP = r"""
 import json, sys
 def status(key):
     for line in open("/proc/self/status"):
@@ -43,7 +63,46 @@ prompt = [10 + i % 4000 for i in range(n_ctx - 16)]  # fill the context: every K
 llm.eval(prompt)
 for _ in range(8):
     llm.eval([llm.sample()])
-print(json.dumps({"before": before, "peak": status("VmHWM:")}))
+print(json.dumps({"bytes": status("VmHWM:") - before}))
+"""
+
+TRANSFORMERS = r"""
+import json, sys, weakref
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM
+torch.set_num_threads(2)
+path, dtype, users, context = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+model = AutoModelForCausalLM.from_pretrained(path, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+held = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+params = sum(p.untyped_storage().nbytes() for p in {p.untyped_storage().data_ptr(): p for p in model.parameters()}.values())
+live = {"now": 0, "peak": 0}
+owners, sizes = {}, {}
+def release(key):
+    owners[key] -= 1
+    if not owners[key]:
+        live["now"] -= sizes.pop(key)
+        del owners[key]
+class LiveTensors(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                key = t.untyped_storage().data_ptr()
+                if key == 0 or key in held:
+                    continue
+                if key not in sizes:
+                    sizes[key] = t.untyped_storage().nbytes()
+                    owners[key] = 0
+                    live["now"] += sizes[key]
+                owners[key] += 1
+                weakref.finalize(t, release, key)
+        live["peak"] = max(live["peak"], live["now"])
+        return out
+ids = (torch.arange(users * (context - 8)).reshape(users, context - 8) * 7 + 10) % 4000
+with torch.inference_mode(), LiveTensors():
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+print(json.dumps({"bytes": params + live["peak"]}))
 """
 
 
@@ -57,29 +116,42 @@ def main() -> None:
     from runner.memfit import ENGINES, kv_bytes_per_sequence, weights_bytes
     from runner.model_shape import load_model_shape
 
-    folders = {"ref": args.models / "ref", "tiny": REPO / "recipes" / "bundled" / "tiny"}
     tmp = Path(tempfile.mkdtemp(prefix="fit_runtime_"))
-    engine = ENGINES["llamacpp"]
+    folders = {"ref": args.models / "ref", "tiny": REPO / "recipes" / "bundled" / "tiny", "wide": _wide_model(tmp / "wide")}
     worst = 0.0
-    print(f"{'model':<6}{'type':<8}{'context':>8}{'KV':>6}{'weights':>10}{'KV MiB':>9}{'compute':>9}{'predicted':>11}{'measured':>10}{'error':>8}")
-    for model, file_type, context, kv in CONFIGS:
-        path = tmp / f"{model}-{file_type}.gguf"
-        build_variant(HFCheckpoint.open(folders[model]), gguf_variant(file_type), tmp, keep_weights=False, gguf_path=path)
-        shape = load_model_shape(str(path))
-        weights = weights_bytes(shape, file_type)
-        cache = kv_bytes_per_sequence(shape, kv, context)
-        compute = engine.activations(shape, 1, context, 1)
-        predicted = weights + cache + compute
-        run = subprocess.run([sys.executable, "-c", CHILD, str(path), str(context), str(_GGML_KV[kv])],
-                             capture_output=True, text=True, check=True)
-        m = json.loads(run.stdout.strip().splitlines()[-1])
-        measured = m["peak"] - m["before"]
+    mib = 2**20
+    print(f"{'engine':<13}{'model':<6}{'weights':<8}{'users':>6}{'context':>8}{'KV':>6}{'weights MiB':>12}{'KV MiB':>9}"
+          f"{'act MiB':>9}{'predicted':>11}{'measured':>10}{'error':>8}")
+    for engine, model, fmt, users, context, kv in CONFIGS:
+        if engine == "llamacpp":
+            path = tmp / f"{model}-{fmt}.gguf"
+            build_variant(HFCheckpoint.open(folders[model]), gguf_variant(fmt), tmp, keep_weights=False, gguf_path=path)
+            child = [LLAMACPP, str(path), str(context), str(_GGML_KV[kv])]
+            shape = load_model_shape(str(path))
+        else:
+            child = [TRANSFORMERS, str(folders[model]), fmt, str(users), str(context)]
+            shape = load_model_shape(str(folders[model]))
+        weights = weights_bytes(shape, fmt)
+        cache = users * kv_bytes_per_sequence(shape, kv, context)
+        activations = ENGINES[engine].activations(shape, users, context, 1, 4 if fmt == "fp32" else 2)
+        predicted = weights + cache + activations
+        run = subprocess.run([sys.executable, "-c", *child], capture_output=True, text=True, check=True)
+        measured = json.loads(run.stdout.strip().splitlines()[-1])["bytes"]
         error = predicted / measured - 1
         worst = max(worst, abs(error))
-        mib = 2**20
-        print(f"{model:<6}{file_type:<8}{context:>8}{kv:>6}{weights / mib:>10.1f}{cache / mib:>9.1f}{compute / mib:>9.1f}"
-              f"{predicted / mib:>11.1f}{measured / mib:>10.1f}{100 * error:>+7.1f}%", flush=True)
+        print(f"{engine:<13}{model:<6}{fmt:<8}{users:>6}{context:>8}{kv:>6}{weights / mib:>12.1f}{cache / mib:>9.1f}"
+              f"{activations / mib:>9.1f}{predicted / mib:>11.1f}{measured / mib:>10.1f}{100 * error:>+7.1f}%", flush=True)
     print(f"largest error {100 * worst:.1f}% (target within 10%): {'PASS' if worst <= 0.10 else 'FAIL'}")
+
+
+def _wide_model(folder: Path) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = dict(WIDE)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config)).save_pretrained(folder)
+    return folder
 
 
 if __name__ == "__main__":

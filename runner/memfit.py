@@ -44,8 +44,9 @@ _FLOAT_FORMATS = {"fp32": 32, "fp16": 16, "bf16": 16}
 WEIGHT_FORMATS = [*_FLOAT_FORMATS, *_INT_FORMATS, *(t.lower() for t in FILE_TYPES)]
 
 # KV-cache element sizes. int8/int4 are llama.cpp's q8_0/q4_0 cache types (blocks of 32 values
-# with an fp16 scale: 8.5 and 4.5 bits); fp8 is vLLM's e4m3 cache (one scale per tensor).
-KV_BITS = {"fp16": 16.0, "bf16": 16.0, "fp8": 8.0, "int8": 8.5, "int4": 4.5}
+# with an fp16 scale: 8.5 and 4.5 bits); fp8 is vLLM's e4m3 cache (one scale per tensor); fp32 is
+# transformers' cache for a float32 model.
+KV_BITS = {"fp16": 16.0, "bf16": 16.0, "fp32": 32.0, "fp8": 8.0, "int8": 8.5, "int4": 4.5}
 
 PREFILL_UTILISATION = 0.5  # share of peak FLOPs a prefill reaches: a bound, not a benchmark
 
@@ -64,8 +65,9 @@ class Engine:
     overhead: int
     description: str
 
-    def activations(self, shape: ModelShape, users: int, context: int, tensor_parallel: int) -> int:
-        """Peak activation memory per GPU, in bytes."""
+    def activations(self, shape: ModelShape, users: int, context: int, tensor_parallel: int, element: int = 2) -> int:
+        """Peak activation memory per GPU, in bytes. ``element``: bytes per activation value where
+        the engine computes in the weights' dtype (transformers: 4 for float32 weights)."""
         h, vocab = shape.hidden, shape.vocab
         ff = shape.intermediate / tensor_parallel
         heads = math.ceil(shape.heads / tensor_parallel)
@@ -87,9 +89,12 @@ class Engine:
             ubatch = 512
             compute = max(ubatch * (vocab + h) * 4, ubatch * (2 * ff + h) * 4, ubatch * (2 * context + 13 * 4 * h))
             return int(compute + ubatch * vocab * 4)
-        # transformers' generate: a prefill of every user's whole context at once, in 16-bit
-        # (hidden states, gate and up), with float32 logits of the last position only
-        return int(users * context * (2 * h + 2 * ff) * 2 + users * vocab * 4)
+        # transformers' generate: a prefill of every user's whole context at once, eager PyTorch in
+        # the weights' dtype. Its peak is the last layer's MLP: four hidden-wide tensors alive (the
+        # embeddings, the layer's input, the attention residual, the normed input) and three
+        # intermediate-wide ones (act(gate), up, their product); float32 logits of the last
+        # position only. Live-tensor peaks measured on the shared models: bench/fit_runtime.py.
+        return int(users * context * (4 * h + 3 * ff) * element + users * vocab * 4)
 
 
 ENGINES = {
@@ -204,7 +209,7 @@ def fit(shape: ModelShape, q: FitQuery, smallest: bool = True) -> FitResult:
     weights_per_gpu = weights / tp
     per_token = kv_bytes_per_token(shape, q.kv_cache, tp)
     per_sequence = kv_bytes_per_sequence(shape, q.kv_cache, q.context, tp)
-    activations = q.engine.activations(shape, q.users, q.context, tp)
+    activations = q.engine.activations(shape, q.users, q.context, tp, _element(shape, q))
     overhead = q.engine.overhead
     usable = q.gpu.memory_bytes * q.engine.utilisation
     total = weights_per_gpu + q.users * per_sequence + activations + overhead
@@ -273,7 +278,13 @@ def _max_context(shape: ModelShape, q: FitQuery, room: float, tp: int) -> int:
 
 
 def _needs(shape: ModelShape, q: FitQuery, users: int, context: int, tp: int) -> float:
-    return users * kv_bytes_per_sequence(shape, q.kv_cache, context, tp) + q.engine.activations(shape, users, context, tp)
+    activations = q.engine.activations(shape, users, context, tp, _element(shape, q))
+    return users * kv_bytes_per_sequence(shape, q.kv_cache, context, tp) + activations
+
+
+def _element(shape: ModelShape, q: FitQuery) -> int:
+    """Bytes per activation value: float32 models compute in float32, everything else in 16-bit."""
+    return 4 if shape.gguf_bytes is None and q.weights.lower() == "fp32" else 2
 
 
 def _batch_weights(shape: ModelShape, weights: int, active: float, users: int) -> float:

@@ -13,7 +13,7 @@ from recipes.cli import main
 from recipes.variants import build_variant, gguf_variant
 from runner.gpus import GIB, catalog, resolve_gpu
 from runner.memfit import ENGINES, FitQuery, fit, kv_bytes_per_sequence, kv_bytes_per_token, weights_bytes
-from runner.model_shape import load_model_shape, preset_names
+from runner.model_shape import load_model_shape, preset_names, shape_from_config
 
 JSON_FIELDS = {"weights_bytes", "kv_bytes_per_token", "kv_bytes_total", "total_bytes", "fits", "max_users", "max_context",
                "decode_tokens_per_s_max"}
@@ -24,6 +24,36 @@ def test_llama3_8b_weights_match_the_published_gguf_sizes(file_type, published_g
     # the sizes of the published Meta-Llama-3-8B GGUF files (weights and metadata, in GiB)
     shape = load_model_shape("llama-3-8b")
     assert weights_bytes(shape, file_type) / GIB == pytest.approx(published_gib, rel=0.01)
+
+
+# bartowski's Llama-3.1(-Nemotron)-70B GGUF files (imatrix K-quants; Llama-3.1-70B's shapes), in GB
+LLAMA_70B_GB = {"Q8_0": 74.98, "Q6_K": 57.89, "Q5_K_M": 49.95, "Q5_K_S": 48.66, "Q4_K_M": 42.52, "Q4_K_S": 40.35,
+                "Q3_K_L": 37.14, "Q3_K_M": 34.27, "Q3_K_S": 30.91}
+
+
+@pytest.mark.parametrize("file_type", LLAMA_70B_GB)
+def test_llama_70b_weights_match_published_files_with_the_70b_attn_v_rule(file_type):
+    # llama.cpp gives an 80-layer GQA model's attn_v Q5_K where the mixture says Q3_K/Q4_K; without
+    # that rule Q4_K_M is 0.12% short and Q3_K_S 0.58%. The rest is the files' metadata.
+    shape = load_model_shape("llama-3.1-70b")
+    assert weights_bytes(shape, file_type) / 1e9 == pytest.approx(LLAMA_70B_GB[file_type], rel=0.001)
+
+
+# bartowski's Mixtral-8x22B-v0.1 GGUF files (llama.cpp b2636), in GB
+MIXTRAL_8X22B_GB = {"Q5_K_M": 99.96, "Q5_K_S": 96.97, "Q4_K_M": 85.58, "Q4_K_S": 80.47, "Q3_K_L": 72.57,
+                    "Q3_K_M": 67.78, "Q3_K_S": 61.49, "Q2_K": 52.10}
+
+
+def test_mixtral_weights_match_published_files_with_the_expert_rules():
+    # mistral-community/Mixtral-8x22B-v0.1's config: the fused expert tensors take the ffn_down
+    # ladder, the router stays F32, and with 8 experts attn_k/attn_v are Q8_0 and attn_output Q5_K
+    config = {"model_type": "mixtral", "hidden_size": 6144, "intermediate_size": 16384, "num_hidden_layers": 56,
+              "num_attention_heads": 48, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+              "vocab_size": 32000, "max_position_embeddings": 65536, "rope_theta": 1e6}
+    shape = shape_from_config(config, "mixtral-8x22b")
+    assert shape.parameters == pytest.approx(140.6e9, rel=0.001)
+    for file_type, published in MIXTRAL_8X22B_GB.items():
+        assert weights_bytes(shape, file_type) / 1e9 == pytest.approx(published, rel=0.001), file_type
 
 
 @pytest.mark.parametrize("file_type", ["Q4_K_M", "Q3_K_M", "Q2_K", "Q6_K", "Q8_0", "F16"])

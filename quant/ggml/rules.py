@@ -48,19 +48,24 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 # When a row does not split into the chosen type's blocks (newer llama.cpp's fallbacks).
 _FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_0"}
 
+# llama.cpp picks a tensor's rule by its GGUF name; these are the Hugging Face names that map to
+# each. ffn_down covers dense, expert (``ffn_down_exps``) and shared-expert down projections alike.
 _ROLES = (
-    ("lm_head.weight", "output"),
-    ("embed_tokens.weight", "token_embd"),
-    ("self_attn.v_proj.weight", "attn_v"),
-    ("self_attn.o_proj.weight", "attn_output"),
-    ("mlp.down_proj.weight", "ffn_down"),
+    (re.compile(r"(^|\.)lm_head\.weight$"), "output"),
+    (re.compile(r"embed_tokens\.weight$"), "token_embd"),
+    (re.compile(r"self_attn\.v_proj\.weight$"), "attn_v"),
+    (re.compile(r"self_attn\.k_proj\.weight$"), "attn_k"),
+    (re.compile(r"self_attn\.o_proj\.weight$"), "attn_output"),
+    (re.compile(r"\.(down_proj|w2)\.weight$"), "ffn_down"),
 )
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
+# A mixture-of-experts router (GGUF ffn_gate_inp) stays as converted, F32: llama.cpp never quantizes it.
+_ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.gate\.weight$")
 
 
 def is_quantizable(name: str, shape: tuple[int, ...]) -> bool:
-    """Norms, biases and other 1-D tensors keep full precision (F32) in every file type."""
-    return len(shape) >= 2 and name.endswith("weight") and "norm" not in name
+    """Norms, biases, routers and other 1-D tensors keep full precision (F32) in every file type."""
+    return len(shape) >= 2 and name.endswith("weight") and "norm" not in name and not _ROUTER.search(name)
 
 
 def use_more_bits(layer: int, n_layers: int) -> bool:
@@ -76,9 +81,8 @@ def tensor_types(file_type: str, tensors: list[tuple[str, tuple[int, ...]]], con
                  has_imatrix: bool = False) -> dict[str, str]:
     """The ggml type of every tensor (by HF name) in a ``file_type`` GGUF file of this model."""
     ft = FILE_TYPES[file_type]
-    n_layers = config["num_hidden_layers"]
-    n_gqa = config["num_attention_heads"] // config.get("num_key_value_heads", config["num_attention_heads"])
-    has_output = any(name == "lm_head.weight" for name, _ in tensors)
+    model = _Model.of(config)
+    has_output = any(_role(name, True) == "output" for name, _ in tensors)
     types = {}
     for name, shape in tensors:
         if not is_quantizable(name, shape):
@@ -86,14 +90,34 @@ def tensor_types(file_type: str, tensors: list[tuple[str, tuple[int, ...]]], con
         elif ft.base in FLOAT_TYPES:
             types[name] = ft.base
         else:
-            chosen = _choose(ft, _role(name, has_output), _layer(name), n_layers, n_gqa, shape[-1], has_imatrix)
+            chosen = _choose(ft, _role(name, has_output), _layer(name), model, shape[-1], has_imatrix)
             types[name] = _fit_rows(chosen, shape[-1])
     return types
 
 
+@dataclass(frozen=True)
+class _Model:
+    """What llama.cpp's rules read off the model besides a tensor's name."""
+
+    n_layers: int
+    n_gqa: int  # query heads per KV head
+    n_expert: int  # routed experts; 0 for a dense model
+    is_70b: bool  # llama.cpp's LLM_TYPE_70B: 80 layers (llama with GQA, or qwen2)
+
+    @staticmethod
+    def of(config: dict) -> _Model:
+        n_layers = config["num_hidden_layers"]
+        heads = config["num_attention_heads"]
+        n_gqa = heads // (config.get("num_key_value_heads") or heads)
+        n_expert = config.get("num_local_experts") or config.get("n_routed_experts") or config.get("num_experts") or 0
+        llama_like = config.get("model_type") in ("llama", "mistral") and n_gqa > 1
+        is_70b = n_layers == 80 and not n_expert and (llama_like or config.get("model_type") == "qwen2")
+        return _Model(n_layers, n_gqa, n_expert, is_70b)
+
+
 def _role(name: str, has_output: bool) -> str:
-    for suffix, role in _ROLES:
-        if name.endswith(suffix):
+    for pattern, role in _ROLES:
+        if pattern.search(name):
             return "output" if role == "token_embd" and not has_output else role
     return "other"
 
@@ -103,24 +127,22 @@ def _layer(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def _choose(ft: FileType, role: str, i: int, n: int, n_gqa: int, row: int, has_imatrix: bool) -> str:
-    name, base = ft.name, ft.base
+def _choose(ft: FileType, role: str, i: int, m: _Model, row: int, has_imatrix: bool) -> str:
+    name, base, n = ft.name, ft.base, m.n_layers
     if role == "output":
         if row % 256:
             return "Q8_0"
         return base if base == "Q8_0" else "Q6_K"
     if role == "attn_v":
-        if name == "Q2_K":
-            return "Q4_K" if n_gqa >= 4 else "Q3_K"
-        if name == "Q3_K_M":
-            return "Q5_K" if i < 2 else "Q4_K"
-        if name == "Q3_K_L":
-            return "Q5_K"
-        if name in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, n):
-            return "Q6_K"
-        if name == "Q4_K_S" and i < 4:
-            return "Q5_K"
-    elif role == "ffn_down":
+        chosen = _attn_v(name, base, i, m)
+        if m.is_70b and chosen in ("Q3_K", "Q4_K"):  # 8 query heads share each V: more bits cost little
+            chosen = "Q5_K"
+        return "Q8_0" if m.n_expert == 8 else chosen  # Mixtral: a small tensor next to the experts
+    if role == "attn_k" and m.n_expert == 8:
+        return "Q8_0"
+    if role == "attn_output" and m.n_expert == 8:
+        return "Q5_K" if name in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M") else base
+    if role == "ffn_down":
         if name == "Q2_K":
             return "Q3_K"
         if name == "Q3_K_M":
@@ -133,13 +155,27 @@ def _choose(ft: FileType, role: str, i: int, n: int, n_gqa: int, row: int, has_i
             return "Q5_K"
         if name in ("Q4_0", "Q5_0") and has_imatrix and i < n // 8:
             return "Q4_1" if name == "Q4_0" else "Q5_1"
-    elif role == "attn_output":
+    if role == "attn_output":
         if name == "Q2_K":
             return "Q3_K"
         if name == "Q3_K_M":
             return "Q4_K"
         if name == "Q3_K_L":
             return "Q5_K"
+    return base
+
+
+def _attn_v(name: str, base: str, i: int, m: _Model) -> str:
+    if name == "Q2_K":
+        return "Q4_K" if m.n_gqa >= 4 else "Q3_K"
+    if name == "Q3_K_M":
+        return "Q5_K" if i < 2 else "Q4_K"
+    if name == "Q3_K_L":
+        return "Q5_K"
+    if name in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, m.n_layers):
+        return "Q6_K"
+    if name == "Q4_K_S" and i < 4:
+        return "Q5_K"
     return base
 
 
