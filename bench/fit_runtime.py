@@ -4,9 +4,11 @@ llama.cpp (llama-cpp-python, flash attention, GGUF files exported by quantbench)
 records its resident memory just before the model is loaded, then loads it, evaluates a prompt that
 fills the context but for a few tokens, generates those, and reports its peak resident memory. The
 growth (peak minus before) is what the run needed: the weights (memory mapped, all read during
-inference), the KV cache, the compute buffer and the batch of logits the runtime hands out. The
-prediction is the calculator's weights + KV cache + activations for the same file, context and
-cache type, without the GPU runtime overhead (CUDA context), which has no CPU counterpart.
+inference), the KV cache, the compute buffer, and the runtime's own host structures (tokenizer,
+ggml contexts, threads). The prediction is the calculator's weights + KV cache + compute buffer for
+the same file, context and cache type, plus those host structures, measured in the same run as the
+growth of a second child that only creates a 256-token context, less its weights and KV cache (on
+a GPU they stay in host memory, and the calculator's overhead is the CUDA context instead).
 
 transformers (``generate`` of 8 tokens after a batch of prompts that fill the context): the
 measurement is the peak of live tensor bytes, parameters included, which is what
@@ -48,6 +50,7 @@ WIDE = {"model_type": "qwen2", "hidden_size": 384, "intermediate_size": 2048, "n
         "num_attention_heads": 6, "num_key_value_heads": 2, "vocab_size": 8192, "tie_word_embeddings": True,
         "max_position_embeddings": 4096}
 _GGML_KV = {"fp16": 1, "int8": 8, "int4": 2}  # ggml type ids for llama.cpp's cache: F16, Q8_0, Q4_0
+HOST_CONTEXT = 256
 
 LLAMACPP = r"""
 import json, sys
@@ -56,9 +59,12 @@ def status(key):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
 from llama_cpp import Llama
-path, n_ctx, kv = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+path, n_ctx, kv, host = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "host"
 before = status("VmRSS:")
 llm = Llama(path, n_ctx=n_ctx, n_batch=512, n_ubatch=512, flash_attn=True, type_k=kv, type_v=kv, n_threads=2, verbose=False)
+if host:  # the host baseline: weights and cache are in place, nothing computed yet
+    print(json.dumps({"bytes": status("VmRSS:") - before}))
+    sys.exit()
 prompt = [10 + i % 4000 for i in range(n_ctx - 16)]  # fill the context: every KV cell and the whole mask in use
 llm.eval(prompt)
 for _ in range(8):
@@ -121,12 +127,12 @@ def main() -> None:
     worst = 0.0
     mib = 2**20
     print(f"{'engine':<13}{'model':<6}{'weights':<8}{'users':>6}{'context':>8}{'KV':>6}{'weights MiB':>12}{'KV MiB':>9}"
-          f"{'act MiB':>9}{'predicted':>11}{'measured':>10}{'error':>8}")
+          f"{'act MiB':>9}{'host':>6}{'predicted':>11}{'measured':>10}{'error':>8}")
     for engine, model, fmt, users, context, kv in CONFIGS:
         if engine == "llamacpp":
             path = tmp / f"{model}-{fmt}.gguf"
             build_variant(HFCheckpoint.open(folders[model]), gguf_variant(fmt), tmp, keep_weights=False, gguf_path=path)
-            child = [LLAMACPP, str(path), str(context), str(_GGML_KV[kv])]
+            child = [LLAMACPP, str(path), str(context), str(_GGML_KV[kv]), "run"]
             shape = load_model_shape(str(path))
         else:
             child = [TRANSFORMERS, str(folders[model]), fmt, str(users), str(context)]
@@ -134,14 +140,22 @@ def main() -> None:
         weights = weights_bytes(shape, fmt)
         cache = users * kv_bytes_per_sequence(shape, kv, context)
         activations = ENGINES[engine].activations(shape, users, context, 1, 4 if fmt == "fp32" else 2)
-        predicted = weights + cache + activations
-        run = subprocess.run([sys.executable, "-c", *child], capture_output=True, text=True, check=True)
-        measured = json.loads(run.stdout.strip().splitlines()[-1])["bytes"]
+        host = 0
+        if engine == "llamacpp":
+            baseline = [LLAMACPP, str(path), str(HOST_CONTEXT), str(_GGML_KV[kv]), "host"]
+            host = _run(baseline) - weights - kv_bytes_per_sequence(shape, kv, HOST_CONTEXT)
+        predicted = weights + cache + activations + host
+        measured = _run(child)
         error = predicted / measured - 1
         worst = max(worst, abs(error))
         print(f"{engine:<13}{model:<6}{fmt:<8}{users:>6}{context:>8}{kv:>6}{weights / mib:>12.1f}{cache / mib:>9.1f}"
-              f"{activations / mib:>9.1f}{predicted / mib:>11.1f}{measured / mib:>10.1f}{100 * error:>+7.1f}%", flush=True)
+              f"{activations / mib:>9.1f}{host / mib:>6.1f}{predicted / mib:>11.1f}{measured / mib:>10.1f}{100 * error:>+7.1f}%", flush=True)
     print(f"largest error {100 * worst:.1f}% (target within 10%): {'PASS' if worst <= 0.10 else 'FAIL'}")
+
+
+def _run(child: list[str]) -> int:
+    run = subprocess.run([sys.executable, "-c", *child], capture_output=True, text=True, check=True)
+    return json.loads(run.stdout.strip().splitlines()[-1])["bytes"]
 
 
 def _wide_model(folder: Path) -> Path:

@@ -84,11 +84,9 @@ class Engine:
             # the attention stage (flash attention's fp16 mask over the context, and about 13
             # float32 hidden-wide tensors); the shape of llama.cpp's own reported buffer sizes
             # (ref model: 18.0, 21.0, 29.0 MiB at 2048, 8192, 16384 tokens; 258.5 MiB for
-            # Llama-3-8B, whose logits dominate). Plus the float32 logits the runtime hands out for
-            # a batch (llama-cpp-python's scores array, n_batch x vocab).
+            # Llama-3-8B, whose logits dominate). Logits handed to the caller live in host memory.
             ubatch = 512
-            compute = max(ubatch * (vocab + h) * 4, ubatch * (2 * ff + h) * 4, ubatch * (2 * context + 13 * 4 * h))
-            return int(compute + ubatch * vocab * 4)
+            return max(ubatch * (vocab + h) * 4, int(ubatch * (2 * ff + h)) * 4, ubatch * (2 * context + 13 * 4 * h))
         # transformers' generate: a prefill of every user's whole context at once, eager PyTorch in
         # the weights' dtype. Its peak is the last layer's MLP: four hidden-wide tensors alive (the
         # embeddings, the layer's input, the attention residual, the normed input) and three
