@@ -161,24 +161,24 @@ def is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
     )
 
 
-class DenseSafetensorsWriter:
-    """Streams float tensors into ``model.safetensors`` of a folder transformers can load.
+class SafetensorsFolderWriter:
+    """Streams tensors into ``model.safetensors`` of a checkpoint folder transformers can load.
 
-    The header is written from the planned names and shapes before any data, then each tensor is
-    appended as it arrives, in plan order. The folder is built under a temporary name and renamed
-    when complete, so a failed run never leaves a half-written checkpoint.
+    The header is written from the planned names, dtypes and shapes before any data, then each
+    tensor is appended as it arrives, in plan order. The folder is built under a temporary name
+    and renamed when complete, so a failed run never leaves a half-written checkpoint. ``config``
+    is the folder's config.json; the source's tokenizer and generation files are copied beside it.
     """
 
-    def __init__(self, dest: Path, plan: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, source: HFCheckpoint):
+    def __init__(self, dest: Path, plan: list[tuple[str, torch.dtype, tuple[int, ...]]], config: dict, source: HFCheckpoint):
         self.dest = dest
         self.tmp = dest.with_name(dest.name + ".partial")
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
-        self.dtype = dtype
-        self._order = [name for name, _ in plan]
+        self._plan = plan
         header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
         offset = 0
-        for name, shape in plan:
+        for name, dtype, shape in plan:
             nbytes = dtype.itemsize * _numel(shape)
             header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
@@ -186,24 +186,24 @@ class DenseSafetensorsWriter:
         blob += b" " * (-len(blob) % 8)  # keep the data section 8-byte aligned
         self._file = open(self.tmp / "model.safetensors", "wb")
         self._file.write(struct.pack("<Q", len(blob)) + blob)
-        self.source = source
-        config = dict(source.config)
-        config.pop("quantization_config", None)
-        config["dtype"] = str(dtype).removeprefix("torch.")
         (self.tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        self.source = source
         self._next = 0
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        if self._order[self._next] != name:
-            raise RuntimeError(f"tensor '{name}' arrived out of plan order (expected '{self._order[self._next]}')")
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._next == len(self._plan) or self._plan[self._next][0] != name:
+            expected = self._plan[self._next][0] if self._next < len(self._plan) else "nothing more"
+            raise RuntimeError(f"tensor '{name}' arrived out of plan order (expected '{expected}')")
+        _, dtype, shape = self._plan[self._next]
+        if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+            raise RuntimeError(f"tensor '{name}' is {tensor.dtype} {tuple(tensor.shape)}, planned {dtype} {tuple(shape)}")
         self._next += 1
-        data = tensor.to(self.dtype).contiguous()
-        self._file.write(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+        self._file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
     def finish(self) -> Path:
         self._file.close()
-        if self._next != len(self._order):
-            raise RuntimeError(f"dense export incomplete: {self._next} of {len(self._order)} tensors written")
+        if self._next != len(self._plan):
+            raise RuntimeError(f"{self.dest.name} export incomplete: {self._next} of {len(self._plan)} tensors written")
         self.source.copy_side_files(self.tmp)
         shutil.rmtree(self.dest, ignore_errors=True)
         self.tmp.rename(self.dest)
@@ -212,6 +212,31 @@ class DenseSafetensorsWriter:
     def abort(self) -> None:
         self._file.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def export_config(source: HFCheckpoint, dtype: torch.dtype) -> dict:
+    """The source's config.json for an export stored in ``dtype``, without any quantization_config."""
+    config = dict(source.config)
+    config.pop("quantization_config", None)
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    return config
+
+
+class DenseSafetensorsWriter:
+    """A float checkpoint: every tensor as given, cast to ``dtype``."""
+
+    def __init__(self, dest: Path, plan: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, source: HFCheckpoint):
+        self.dtype = dtype
+        self._folder = SafetensorsFolderWriter(dest, [(n, dtype, tuple(s)) for n, s in plan], export_config(source, dtype), source)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self._folder.write(name, tensor.to(self.dtype))
+
+    def finish(self) -> Path:
+        return self._folder.finish()
+
+    def abort(self) -> None:
+        self._folder.abort()
 
 
 def load_causal_lm(ckpt: HFCheckpoint) -> torch.nn.Module:

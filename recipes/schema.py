@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from formats.compressed_tensors import supports as compressed_tensors_support
 from quant.ggml import FILE_TYPES
 from quant.activations import ActivationSpec
 from quant.awq import AWQSettings
@@ -173,7 +174,7 @@ class Variant(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)
     weights: Annotated[Union[RTNWeights, GPTQWeights, AWQWeights, GGUFWeights], Field(discriminator="method")]
     activations: Activations | None = None
-    exports: list[Literal["safetensors", "gguf"]] = []
+    exports: list[Literal["safetensors", "gguf", "compressed-tensors"]] = []
 
     @property
     def needs_calibration(self) -> bool:
@@ -185,6 +186,24 @@ class Variant(_Strict):
     def _gguf_needs_gguf_weights(self) -> "Variant":
         if "gguf" in self.exports and self.weights.method != "gguf":
             raise ValueError("a gguf export needs 'weights: {method: gguf, type: ...}'")
+        return self
+
+    @model_validator(mode="after")
+    def _compressed_tensors_need_integer_codes(self) -> "Variant":
+        if "compressed-tensors" not in self.exports:
+            return self
+        if self.weights.method not in ("rtn", "gptq", "awq"):
+            raise ValueError(f"a compressed-tensors export needs rtn, gptq or awq weights, not {self.weights.method}")
+        reason = compressed_tensors_support(self.weights.spec)
+        if reason:
+            raise ValueError(f"a compressed-tensors export cannot hold {reason}")
+        if getattr(self.weights, "outliers", None) is not None:
+            raise ValueError("a compressed-tensors export cannot hold outlier columns kept in 16 bits")
+        if getattr(self.weights, "act_order", False) and not self.weights.static_groups and self.weights.group_size:
+            raise ValueError("a compressed-tensors export cannot hold act-order groups (g_idx, removed in "
+                             "compressed-tensors 0.20); use static_groups: true")
+        if self.activations is not None:
+            raise ValueError("a compressed-tensors export of quantized activations is not supported yet (weights only)")
         return self
 
     @model_validator(mode="after")

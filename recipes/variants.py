@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from rich.progress import Progress
 
+from formats.compressed_tensors import CompressedTensorsWriter
 from formats.gguf import GGUFFileWriter, architecture_of, check_shapes, gguf_name, gguf_order
 from formats.hf import DenseSafetensorsWriter, HFCheckpoint, is_linear_weight
 from formats.modelfile import write_modelfile
@@ -108,6 +109,10 @@ def build_variant(
     if "safetensors" in variant.exports:
         shapes = [(n, ckpt.shape(n)) for n in plan.names]
         writers.append(DenseSafetensorsWriter(vdir / "safetensors", shapes, torch.float32, ckpt))
+    if "compressed-tensors" in variant.exports:
+        act_order = isinstance(variant.weights, GPTQWeights) and variant.weights.act_order
+        writers.append(CompressedTensorsWriter(vdir / "compressed-tensors", ckpt, plan.names, plan.quantized,
+                                               variant.weights.spec, act_order))
     if "gguf" in variant.exports:
         file_type = variant.weights.type
         dest = gguf_path or vdir / f"{ckpt.path.name}-{file_type}.gguf"

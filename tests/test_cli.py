@@ -98,7 +98,7 @@ def test_unknown_field_in_a_variant(monkeypatch, capsys, tmp_path):
 )
 def test_unknown_or_invalid_values(monkeypatch, capsys, tmp_path, weights, fragment):
     recipe = recipe_with(tmp_path)
-    recipe["variants"][0]["weights"] = weights
+    recipe["variants"][0].update(weights=weights, exports=["safetensors"])
     run_bad(monkeypatch, capsys, tmp_path, recipe, fragment)
 
 
