@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from formats.compressed_tensors import supports as compressed_tensors_support
+from formats.compressed_tensors import layout as compressed_tensors_layout
 from quant.ggml import FILE_TYPES
 from quant.activations import ActivationSpec
 from quant.awq import AWQSettings
@@ -194,16 +194,15 @@ class Variant(_Strict):
             return self
         if self.weights.method not in ("rtn", "gptq", "awq"):
             raise ValueError(f"a compressed-tensors export needs rtn, gptq or awq weights, not {self.weights.method}")
-        reason = compressed_tensors_support(self.weights.spec)
-        if reason:
-            raise ValueError(f"a compressed-tensors export cannot hold {reason}")
+        try:
+            compressed_tensors_layout(self.weights.spec, self.activations.spec if self.activations else None)
+        except ValueError as e:
+            raise ValueError(f"a compressed-tensors export cannot hold {e}") from None
         if getattr(self.weights, "outliers", None) is not None:
             raise ValueError("a compressed-tensors export cannot hold outlier columns kept in 16 bits")
         if getattr(self.weights, "act_order", False) and not self.weights.static_groups and self.weights.group_size:
             raise ValueError("a compressed-tensors export cannot hold act-order groups (g_idx, removed in "
                              "compressed-tensors 0.20); use static_groups: true")
-        if self.activations is not None:
-            raise ValueError("a compressed-tensors export of quantized activations is not supported yet (weights only)")
         return self
 
     @model_validator(mode="after")

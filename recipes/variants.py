@@ -111,8 +111,9 @@ def build_variant(
         writers.append(DenseSafetensorsWriter(vdir / "safetensors", shapes, torch.float32, ckpt))
     if "compressed-tensors" in variant.exports:
         act_order = isinstance(variant.weights, GPTQWeights) and variant.weights.act_order
+        activations = variant.activations.spec if variant.activations else None
         writers.append(CompressedTensorsWriter(vdir / "compressed-tensors", ckpt, plan.names, plan.quantized,
-                                               variant.weights.spec, act_order))
+                                               variant.weights.spec, activations, act_order))
     if "gguf" in variant.exports:
         file_type = variant.weights.type
         dest = gguf_path or vdir / f"{ckpt.path.name}-{file_type}.gguf"

@@ -7,15 +7,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import SMALL_RECIPE, TINY, write_recipe
 from formats.compressed_tensors import pack_codes
-from recipes.schema import load_recipe
-from conftest import SMALL_RECIPE, write_recipe
+from formats.hf import HFCheckpoint
 from quant.types import InputError
+from recipes.schema import Variant, load_recipe
+from recipes.variants import build_variant
 
 compressed_tensors = pytest.importorskip("compressed_tensors", reason="compressed-tensors is the 'interop' extra (make test installs it)")
 from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32  # noqa: E402
 
-EXPORTED = ["int8", "int4-g64-asym", "awq-int4-g64"]
+EXPORTED = {"int8": "pack-quantized", "int4-g64-asym": "pack-quantized", "awq-int4-g64": "pack-quantized",
+            "w8a8-smoothquant": "int-quantized"}
 
 
 @pytest.mark.parametrize("bits", range(2, 9))
@@ -44,8 +47,11 @@ def test_transformers_dequantizes_the_export_to_our_weights(small_run, variant):
     out, _ = small_run
     folder = out / variant / "compressed-tensors"
     config = json.loads((folder / "config.json").read_text())
-    assert config["quantization_config"]["format"] == "pack-quantized" and config["dtype"] == "float16"
-    assert config["quantization_config"]["ignore"] == ["lm_head"]
+    quantization = config["quantization_config"]
+    assert quantization["format"] == EXPORTED[variant] and config["dtype"] == "float16"
+    assert quantization["ignore"] == ["lm_head"]
+    inputs = quantization["config_groups"]["group_0"]["input_activations"]
+    assert (inputs is not None) == (variant == "w8a8-smoothquant")  # W8A8: int8 per-token dynamic activations
     dense = load_file(out / variant / "safetensors" / "model.safetensors")  # our float32 weights, as evaluated
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True))
     state = model.state_dict()
@@ -69,14 +75,42 @@ def test_transformers_runs_the_packed_weights_without_unpacking_them_first(small
         torch.testing.assert_close(packed(ids).logits, dense(ids).logits, rtol=0, atol=1e-3)
 
 
-@pytest.mark.parametrize("weights, message", [
-    ({"method": "gguf", "type": "Q4_K_M"}, "needs rtn, gptq or awq weights"),
-    ({"method": "rtn", "bits": 4, "format": "nf4", "granularity": "group", "group_size": 64}, "nf4 weights are not integer codes"),
-    ({"method": "rtn", "bits": 8, "granularity": "block", "group_size": 32}, "granularity 'block'"),
-    ({"method": "gptq", "bits": 4, "act_order": True}, "use static_groups: true"),
-    ({"method": "rtn", "bits": 4, "granularity": "group", "group_size": 64, "outliers": {}}, "outlier columns"),
+@pytest.mark.parametrize("granularity, group_size", [("channel", None), ("block", 128)])
+def test_fp8_weights_export_as_float_quantized(tmp_path, granularity, group_size):
+    """FP8 weights per channel (vLLM's FP8 W8A16, FP8_DYNAMIC with fp8 activations) and in
+    128x128 blocks (FP8_BLOCK, DeepSeek-V3's): float8_e4m3fn codes with float32 scales, so
+    transformers' dequantization gives our weights exactly."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    weights = {"method": "rtn", "format": "fp8_e4m3", "granularity": granularity, "group_size": group_size}
+    variant = Variant.model_validate({"name": "fp8", "weights": weights, "exports": ["compressed-tensors"]})
+    built = build_variant(HFCheckpoint.open(TINY), variant, tmp_path)
+    folder = tmp_path / "fp8" / "compressed-tensors"
+    quantization = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert quantization["format"] == "float-quantized"
+    assert quantization["config_groups"]["group_0"]["weights"]["block_structure"] == ([128, 128] if group_size else None)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True))
+    state = model.state_dict()
+    quantized = [n for n in built.state if n.endswith("proj.weight")]
+    assert len(quantized) == 7 * 6
+    for name in quantized:
+        assert torch.equal(state[name], built.state[name]), name
+
+
+@pytest.mark.parametrize("weights, activations, message", [
+    ({"method": "gguf", "type": "Q4_K_M"}, None, "needs rtn, gptq or awq weights"),
+    ({"method": "rtn", "bits": 4, "format": "nf4", "granularity": "group", "group_size": 64}, None, "nf4 weights"),
+    ({"method": "rtn", "bits": 8, "granularity": "block", "group_size": 32}, None, "granularity 'block' integer weights"),
+    ({"method": "rtn", "format": "fp8_e4m3", "granularity": "group", "group_size": 64}, None, "fp8 weights by group"),
+    ({"method": "rtn", "bits": 4, "granularity": "group", "group_size": 64}, {}, "int8 activations with int4-g64-sym weights"),
+    ({"method": "rtn", "bits": 8}, {"format": "fp8"}, "fp8 activations take fp8_e4m3 weights"),
+    ({"method": "gptq", "bits": 4, "act_order": True}, None, "use static_groups: true"),
+    ({"method": "rtn", "bits": 4, "granularity": "group", "group_size": 64, "outliers": {}}, None, "outlier columns"),
 ])
-def test_variants_a_compressed_tensors_file_cannot_hold_are_refused(tmp_path, weights, message):
-    recipe = dict(SMALL_RECIPE, variants=[{"name": "v", "weights": weights, "exports": ["compressed-tensors"]}])
+def test_variants_a_compressed_tensors_file_cannot_hold_are_refused(tmp_path, weights, activations, message):
+    variant = {"name": "v", "weights": weights, "exports": ["compressed-tensors"]}
+    if activations is not None:
+        variant["activations"] = activations
+    recipe = dict(SMALL_RECIPE, variants=[variant])
     with pytest.raises(InputError, match=message):
         load_recipe(write_recipe(tmp_path, recipe))
