@@ -24,7 +24,10 @@ $(VENV)/.test: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.core
 	$(BIN)/quantize recipes/demo.yaml
 
+# GPTQModel, the loader the GPTQ export tests read our files back with, pins numpy and lives in its
+# own venv (.anchors/gptqmodel; quick when it is already there).
 test: $(VENV)/.test
+	bench/anchors/setup.sh gptqmodel
 	$(BIN)/python -m pytest tests
 
 clean:

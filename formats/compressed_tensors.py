@@ -30,14 +30,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from formats.hf import HFCheckpoint, SafetensorsFolderWriter, export_config, is_linear_weight
+from formats.hf import (HFCheckpoint, SafetensorsFolderWriter, export_config, float16_tensor, is_linear_weight,
+                        quantized_export_plan)
+from formats.packing import pack_codes
 from quant.activations import ActivationSpec
 from quant.types import InputError, QuantizedTensor, QuantSpec, TensorPayload
-
-_FP16_MAX = torch.finfo(torch.float16).max
 
 
 def layout(spec: QuantSpec, activations: ActivationSpec | None = None) -> str:
@@ -61,17 +60,6 @@ def layout(spec: QuantSpec, activations: ActivationSpec | None = None) -> str:
     raise ValueError(f"{spec.format} weights (compressed-tensors holds integer and fp8_e4m3 codes)")
 
 
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 levels ``[rows, n]`` -> int32 ``[rows, ceil(n·bits/32)]``, element i at bit i·bits."""
-    rows, n = codes.shape
-    padded = math.ceil(n / 32) * 32
-    levels = np.zeros((rows, padded), dtype=np.uint8)
-    levels[:, :n] = codes.numpy()
-    stream = (levels[..., None] >> np.arange(bits, dtype=np.uint8)) & 1  # [rows, padded, bits], low bit first
-    words = np.packbits(stream.reshape(rows, -1), axis=-1, bitorder="little").view("<i4")
-    return torch.from_numpy(np.ascontiguousarray(words[:, : math.ceil(n * bits / 32)]).astype(np.int32))
-
-
 class CompressedTensorsWriter:
     """Streams one variant into a compressed-tensors folder: quantized Linear weights in the layout
     their spec calls for, every other tensor in float16. ``act_order``: fitted by GPTQ with
@@ -87,13 +75,7 @@ class CompressedTensorsWriter:
         self.activations = activations
         self.act_order = act_order
         self.quantized = quantized
-        plan = []
-        for name in names:
-            shape = tuple(source.shape(name))
-            if name in quantized:
-                plan += self._quantized_plan(name.removesuffix(".weight"), shape)
-            else:
-                plan.append((name, torch.float16, shape))
+        plan = quantized_export_plan(source, names, quantized, self._quantized_plan)
         config = export_config(source, torch.float16)
         linears = [n.removesuffix(".weight") for n in names if is_linear_weight(n, tuple(source.shape(n)))]
         ignore = ["lm_head"] + [m for m in linears if f"{m}.weight" not in quantized]
@@ -149,11 +131,7 @@ class CompressedTensorsWriter:
 
     def add(self, name: str, payload: TensorPayload) -> None:
         if name not in self.quantized:
-            if not isinstance(payload, torch.Tensor):
-                raise InputError(f"compressed-tensors export: tensor '{name}' is quantized but not a Linear weight the variant targets")
-            if payload.is_floating_point() and payload.abs().max() > _FP16_MAX:
-                raise InputError(f"compressed-tensors export: tensor '{name}' exceeds the float16 range")
-            self._folder.write(name, payload.to(torch.float16))
+            self._folder.write(name, float16_tensor(name, payload, "compressed-tensors"))
             return
         if not isinstance(payload, QuantizedTensor) or payload.group_index is not None:
             kind = "act-order groups (g_idx)" if isinstance(payload, QuantizedTensor) else type(payload).__name__

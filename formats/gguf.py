@@ -192,7 +192,7 @@ def _add_hparams(writer: GGUFWriter, arch: str, config: dict) -> None:
         writer.add_rope_scaling_type("linear")
         writer.add_rope_scaling_factor(float(rope["factor"]))
     elif rope_type == "llama3" and arch != "llama":
-        raise InputError(f"config.json: rope type 'llama3' is only supported for llama models in GGUF export")
+        raise InputError("config.json: rope type 'llama3' is only supported for llama models in GGUF export")
     elif rope_type not in ("default", "llama3", None):  # llama3: the rope_freqs tensor carries it
         raise InputError(f"config.json: rope type '{rope_type}' is not supported for GGUF export yet (supported: default, linear, llama3)")
     writer.add_context_length(config["max_position_embeddings"])

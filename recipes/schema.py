@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic_core import PydanticCustomError
 
 from formats.compressed_tensors import layout as compressed_tensors_layout
+from formats.gptq import check_spec as gptq_check_spec
 from quant.ggml import FILE_TYPES
 from quant.activations import ActivationSpec
 from quant.awq import AWQSettings
@@ -174,7 +175,7 @@ class Variant(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)
     weights: Annotated[Union[RTNWeights, GPTQWeights, AWQWeights, GGUFWeights], Field(discriminator="method")]
     activations: Activations | None = None
-    exports: list[Literal["safetensors", "gguf", "compressed-tensors"]] = []
+    exports: list[Literal["safetensors", "gguf", "compressed-tensors", "gptq"]] = []
 
     @property
     def needs_calibration(self) -> bool:
@@ -189,20 +190,27 @@ class Variant(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _compressed_tensors_need_integer_codes(self) -> "Variant":
-        if "compressed-tensors" not in self.exports:
-            return self
-        if self.weights.method not in ("rtn", "gptq", "awq"):
-            raise ValueError(f"a compressed-tensors export needs rtn, gptq or awq weights, not {self.weights.method}")
-        try:
-            compressed_tensors_layout(self.weights.spec, self.activations.spec if self.activations else None)
-        except ValueError as e:
-            raise ValueError(f"a compressed-tensors export cannot hold {e}") from None
-        if getattr(self.weights, "outliers", None) is not None:
-            raise ValueError("a compressed-tensors export cannot hold outlier columns kept in 16 bits")
-        if getattr(self.weights, "act_order", False) and not self.weights.static_groups and self.weights.group_size:
+    def _quantized_exports_hold_the_weights(self) -> "Variant":
+        for export in ("compressed-tensors", "gptq"):
+            if export not in self.exports:
+                continue
+            if self.weights.method not in ("rtn", "gptq", "awq"):
+                raise ValueError(f"a {export} export needs rtn, gptq or awq weights, not {self.weights.method}")
+            if getattr(self.weights, "outliers", None) is not None:
+                raise ValueError(f"a {export} export cannot hold outlier columns kept in 16 bits")
+            try:
+                if export == "gptq":
+                    gptq_check_spec(self.weights.spec)
+                    if self.activations is not None:
+                        raise ValueError("quantized activations (GPTQ checkpoints are weight-only)")
+                else:
+                    compressed_tensors_layout(self.weights.spec, self.activations.spec if self.activations else None)
+            except ValueError as e:
+                raise ValueError(f"a {export} export cannot hold {e}") from None
+        if "compressed-tensors" in self.exports and getattr(self.weights, "act_order", False) \
+                and not self.weights.static_groups and self.weights.group_size:
             raise ValueError("a compressed-tensors export cannot hold act-order groups (g_idx, removed in "
-                             "compressed-tensors 0.20); use static_groups: true")
+                             "compressed-tensors 0.20); use static_groups: true, or the gptq export")
         return self
 
     @model_validator(mode="after")

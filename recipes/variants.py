@@ -16,6 +16,7 @@ from rich.progress import Progress
 
 from formats.compressed_tensors import CompressedTensorsWriter
 from formats.gguf import GGUFFileWriter, architecture_of, check_shapes, gguf_name, gguf_order
+from formats.gptq import GPTQWriter
 from formats.hf import DenseSafetensorsWriter, HFCheckpoint, is_linear_weight
 from formats.modelfile import write_modelfile
 from quant.awq import awq_model
@@ -114,6 +115,12 @@ def build_variant(
         activations = variant.activations.spec if variant.activations else None
         writers.append(CompressedTensorsWriter(vdir / "compressed-tensors", ckpt, plan.names, plan.quantized,
                                                variant.weights.spec, activations, act_order))
+    if "gptq" in variant.exports:
+        weights = variant.weights
+        act_order = isinstance(weights, GPTQWeights) and weights.act_order and not weights.static_groups
+        settings = {"damp_percent": weights.damp, "static_groups": weights.static_groups, "true_sequential": True} \
+            if isinstance(weights, GPTQWeights) else {"method": weights.method}
+        writers.append(GPTQWriter(vdir / "gptq", ckpt, plan.names, plan.quantized, weights.spec, act_order, settings))
     if "gguf" in variant.exports:
         file_type = variant.weights.type
         dest = gguf_path or vdir / f"{ckpt.path.name}-{file_type}.gguf"

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import SMALL_RECIPE, TINY, write_recipe
-from formats.compressed_tensors import pack_codes
+from formats.packing import pack_codes
 from formats.hf import HFCheckpoint
 from quant.types import InputError
 from recipes.schema import Variant, load_recipe
