@@ -32,11 +32,11 @@ from pathlib import Path
 
 import torch
 
-from formats.hf import (HFCheckpoint, SafetensorsFolderWriter, export_config, float16_tensor, is_linear_weight,
-                        quantized_export_plan)
+from formats.hf import HFCheckpoint, is_linear_weight
 from formats.packing import pack_codes
+from formats.quantized_folder import Planned, QuantizedFolderWriter
 from quant.activations import ActivationSpec
-from quant.types import InputError, QuantizedTensor, QuantSpec, TensorPayload
+from quant.types import InputError, QuantizedTensor, QuantSpec
 
 
 def layout(spec: QuantSpec, activations: ActivationSpec | None = None) -> str:
@@ -60,10 +60,11 @@ def layout(spec: QuantSpec, activations: ActivationSpec | None = None) -> str:
     raise ValueError(f"{spec.format} weights (compressed-tensors holds integer and fp8_e4m3 codes)")
 
 
-class CompressedTensorsWriter:
-    """Streams one variant into a compressed-tensors folder: quantized Linear weights in the layout
-    their spec calls for, every other tensor in float16. ``act_order``: fitted by GPTQ with
-    act-order and static groups."""
+class CompressedTensorsWriter(QuantizedFolderWriter):
+    """One variant as a compressed-tensors folder, quantized Linear weights in the layout their spec
+    (and ``activations``) call for. ``act_order``: fitted by GPTQ with act-order and static groups."""
+
+    export = "compressed-tensors"
 
     def __init__(self, dest: Path, source: HFCheckpoint, names: list[str], quantized: set[str], spec: QuantSpec,
                  activations: ActivationSpec | None = None, act_order: bool = False):
@@ -72,15 +73,9 @@ class CompressedTensorsWriter:
         except ValueError as e:
             raise InputError(f"compressed-tensors export: no format holds {e}") from None
         self.spec = spec
-        self.activations = activations
-        self.act_order = act_order
-        self.quantized = quantized
-        plan = quantized_export_plan(source, names, quantized, self._quantized_plan)
-        config = export_config(source, torch.float16)
         linears = [n.removesuffix(".weight") for n in names if is_linear_weight(n, tuple(source.shape(n)))]
         ignore = ["lm_head"] + [m for m in linears if f"{m}.weight" not in quantized]
-        config["quantization_config"] = self._quantization_config(ignore)
-        self._folder = SafetensorsFolderWriter(dest, plan, config, source)
+        self._open(dest, source, names, quantized, self._quantization_config(activations, act_order, ignore))
 
     def _scale_shape(self, shape: tuple[int, int]) -> tuple[int, ...]:
         out, n_in = shape
@@ -91,7 +86,7 @@ class CompressedTensorsWriter:
             return (out // spec.group_size, n_in // spec.group_size)
         return (out, 1) if spec.granularity == "channel" else (1,)
 
-    def _quantized_plan(self, module: str, shape: tuple[int, int]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    def stored(self, module: str, shape: tuple[int, int]) -> Planned:
         out, n_in = shape
         scales = self._scale_shape(shape)
         if self.format == "int-quantized":
@@ -106,17 +101,31 @@ class CompressedTensorsWriter:
         plan.append((f"{module}.weight_shape", torch.int64, (2,)))
         return plan
 
-    def _quantization_config(self, ignore: list[str]) -> dict:
+    def encode(self, payload: QuantizedTensor) -> list[torch.Tensor]:
+        scales = payload.scales
+        scales = scales.reshape(-1)[:1] if self.spec.granularity == "tensor" else scales.reshape(self._scale_shape(payload.shape))
+        if self.format == "int-quantized":
+            return [(payload.codes.to(torch.int16) - 128).to(torch.int8), scales.to(torch.float16)]
+        if self.format == "float-quantized":
+            return [payload.codes.view(torch.float8_e4m3fn), scales.to(torch.float32)]
+        bits = self.spec.bits
+        tensors = [pack_codes(payload.codes, bits), scales.to(torch.float16)]
+        if not self.spec.symmetric:
+            zeros = payload.zeros.round().to(torch.uint8)
+            tensors.append(pack_codes(zeros.T.contiguous(), bits).T.contiguous())
+        return tensors + [torch.tensor(payload.shape, dtype=torch.int64)]
+
+    def _quantization_config(self, activations: ActivationSpec | None, act_order: bool, ignore: list[str]) -> dict:
         spec = self.spec
         weights = {
             "num_bits": spec.bits, "type": "int" if spec.format == "int" else "float", "symmetric": spec.symmetric,
             "strategy": spec.granularity, "group_size": spec.group_size if spec.granularity == "group" else None,
             "block_structure": [spec.group_size] * 2 if spec.granularity == "block" else None,
-            "dynamic": False, "actorder": "weight" if self.act_order else None, "observer": "minmax",
+            "dynamic": False, "actorder": "weight" if act_order else None, "observer": "minmax",
         }
         inputs = None
-        if self.activations is not None:
-            inputs = {"num_bits": 8, "type": "int" if self.activations.format == "int8" else "float", "symmetric": True,
+        if activations is not None:
+            inputs = {"num_bits": 8, "type": "int" if activations.format == "int8" else "float", "symmetric": True,
                       "strategy": "token", "dynamic": True, "group_size": None, "block_structure": None, "actorder": None}
         return {
             "quant_method": "compressed-tensors",
@@ -128,35 +137,3 @@ class CompressedTensorsWriter:
             "kv_cache_scheme": None,
             "sparsity_config": {},
         }
-
-    def add(self, name: str, payload: TensorPayload) -> None:
-        if name not in self.quantized:
-            self._folder.write(name, float16_tensor(name, payload, "compressed-tensors"))
-            return
-        if not isinstance(payload, QuantizedTensor) or payload.group_index is not None:
-            kind = "act-order groups (g_idx)" if isinstance(payload, QuantizedTensor) else type(payload).__name__
-            raise InputError(f"compressed-tensors export: tensor '{name}' ({kind}) has no {self.format} form")
-        module = name.removesuffix(".weight")
-        scales = payload.scales
-        scales = scales.reshape(-1)[:1] if self.spec.granularity == "tensor" else scales.reshape(self._scale_shape(payload.shape))
-        if self.format == "int-quantized":
-            self._folder.write(f"{module}.weight", (payload.codes.to(torch.int16) - 128).to(torch.int8))
-            self._folder.write(f"{module}.weight_scale", scales.to(torch.float16))
-            return
-        if self.format == "float-quantized":
-            self._folder.write(f"{module}.weight", payload.codes.view(torch.float8_e4m3fn))
-            self._folder.write(f"{module}.weight_scale", scales.to(torch.float32))
-            return
-        bits = self.spec.bits
-        self._folder.write(f"{module}.weight_packed", pack_codes(payload.codes, bits))
-        self._folder.write(f"{module}.weight_scale", scales.to(torch.float16))
-        if not self.spec.symmetric:
-            zeros = payload.zeros.round().to(torch.uint8)
-            self._folder.write(f"{module}.weight_zero_point", pack_codes(zeros.T.contiguous(), bits).T.contiguous())
-        self._folder.write(f"{module}.weight_shape", torch.tensor(payload.shape, dtype=torch.int64))
-
-    def finish(self) -> Path:
-        return self._folder.finish()
-
-    def abort(self) -> None:
-        self._folder.abort()

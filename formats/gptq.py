@@ -24,9 +24,10 @@ from pathlib import Path
 
 import torch
 
-from formats.hf import HFCheckpoint, SafetensorsFolderWriter, export_config, float16_tensor, quantized_export_plan
+from formats.hf import HFCheckpoint
 from formats.packing import pack_codes
-from quant.types import InputError, QuantizedTensor, QuantSpec, TensorPayload
+from formats.quantized_folder import Planned, QuantizedFolderWriter
+from quant.types import InputError, QuantizedTensor, QuantSpec
 
 BITS = (2, 3, 4, 8)
 
@@ -39,9 +40,12 @@ def check_spec(spec: QuantSpec) -> None:
         raise ValueError(f"granularity '{spec.granularity}' (GPTQ takes group or channel)")
 
 
-class GPTQWriter:
-    """Streams one variant into a GPTQ folder: quantized Linear weights packed, every other tensor
-    float16. ``act_order``: the weights carry GPTQ's act-order groups (``desc_act``)."""
+class GPTQWriter(QuantizedFolderWriter):
+    """One variant as a GPTQ folder. ``act_order``: the weights carry GPTQ's act-order groups
+    (``desc_act``); ``settings``: how they were fitted, kept under the config's ``meta``."""
+
+    export = "gptq"
+    holds_group_index = True
 
     def __init__(self, dest: Path, source: HFCheckpoint, names: list[str], quantized: set[str], spec: QuantSpec,
                  act_order: bool = False, settings: dict | None = None):
@@ -50,20 +54,16 @@ class GPTQWriter:
         except ValueError as e:
             raise InputError(f"gptq export: no layout holds {e}") from None
         self.spec = spec
-        self.quantized = quantized
         self.group_size = spec.group_size if spec.granularity == "group" else None
-        plan = quantized_export_plan(source, names, quantized, self._packed_plan)
         quantization = {
             "quant_method": "gptq", "bits": spec.bits, "group_size": self.group_size or -1, "desc_act": act_order,
             "sym": spec.symmetric, "lm_head": False, "checkpoint_format": "gptq" if spec.symmetric else "gptq_v2",
             "pack_dtype": "int32", "meta": {"quantizer": ["quantbench"], **(settings or {})},
         }
-        config = export_config(source, torch.float16)
-        config["quantization_config"] = quantization
-        self._folder = SafetensorsFolderWriter(dest, plan, config, source)
-        (self._folder.tmp / "quantize_config.json").write_text(json.dumps(quantization, indent=2) + "\n")
+        self._open(dest, source, names, quantized, quantization)
+        (self.folder / "quantize_config.json").write_text(json.dumps(quantization, indent=2) + "\n")
 
-    def _packed_plan(self, module: str, shape: tuple[int, int]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    def stored(self, module: str, shape: tuple[int, int]) -> Planned:
         out, n_in = shape
         bits = self.spec.bits
         groups = n_in // self.group_size if self.group_size else 1
@@ -74,28 +74,18 @@ class GPTQWriter:
             (f"{module}.g_idx", torch.int32, (n_in,)),
         ]
 
-    def add(self, name: str, payload: TensorPayload) -> None:
-        if name not in self.quantized:
-            self._folder.write(name, float16_tensor(name, payload, "gptq"))
-            return
-        if not isinstance(payload, QuantizedTensor):
-            raise InputError(f"gptq export: tensor '{name}' ({type(payload).__name__}) has no GPTQ form")
-        module = name.removesuffix(".weight")
+    def encode(self, payload: QuantizedTensor) -> list[torch.Tensor]:
         bits = self.spec.bits
-        out, n_in = payload.shape
+        n_in = payload.shape[1]
         zeros = payload.zeros.round().to(torch.int16)
         if self.spec.symmetric:
             zeros = (zeros - 1) % 2**bits  # v1 stores zero-points minus one
         index = payload.group_index
         if index is None:
             index = torch.arange(n_in, dtype=torch.int32) // (self.group_size or n_in)
-        self._folder.write(f"{module}.qweight", pack_codes(payload.codes, bits).T.contiguous())
-        self._folder.write(f"{module}.qzeros", pack_codes(zeros.T.to(torch.uint8).contiguous(), bits))
-        self._folder.write(f"{module}.scales", payload.scales.T.to(torch.float16).contiguous())
-        self._folder.write(f"{module}.g_idx", index.to(torch.int32))
-
-    def finish(self) -> Path:
-        return self._folder.finish()
-
-    def abort(self) -> None:
-        self._folder.abort()
+        return [
+            pack_codes(payload.codes, bits).T.contiguous(),
+            pack_codes(zeros.T.to(torch.uint8).contiguous(), bits),
+            payload.scales.T.to(torch.float16).contiguous(),
+            index.to(torch.int32),
+        ]

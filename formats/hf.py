@@ -222,25 +222,6 @@ def export_config(source: HFCheckpoint, dtype: torch.dtype) -> dict:
     return config
 
 
-def quantized_export_plan(source: HFCheckpoint, names: list[str], quantized: set[str], stored) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """The tensors of a quantized export in checkpoint order: each quantized weight as the tensors
-    ``stored(module, shape)`` lists for it, every other tensor as float16."""
-    plan = []
-    for name in names:
-        shape = tuple(source.shape(name))
-        plan += stored(name.removesuffix(".weight"), shape) if name in quantized else [(name, torch.float16, shape)]
-    return plan
-
-
-def float16_tensor(name: str, payload: object, export: str) -> torch.Tensor:
-    """A tensor a quantized export keeps as it is, in float16 (the dtype of its scales)."""
-    if not isinstance(payload, torch.Tensor):
-        raise InputError(f"{export} export: tensor '{name}' is quantized but not a Linear weight the variant targets")
-    if payload.is_floating_point() and payload.abs().max() > torch.finfo(torch.float16).max:
-        raise InputError(f"{export} export: tensor '{name}' exceeds the float16 range")
-    return payload.to(torch.float16)
-
-
 class DenseSafetensorsWriter:
     """A float checkpoint: every tensor as given, cast to ``dtype``."""
 

@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from formats.awq import check_spec as awq_check_spec
 from formats.compressed_tensors import layout as compressed_tensors_layout
 from formats.gptq import check_spec as gptq_check_spec
 from quant.ggml import FILE_TYPES
@@ -175,7 +176,7 @@ class Variant(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)
     weights: Annotated[Union[RTNWeights, GPTQWeights, AWQWeights, GGUFWeights], Field(discriminator="method")]
     activations: Activations | None = None
-    exports: list[Literal["safetensors", "gguf", "compressed-tensors", "gptq"]] = []
+    exports: list[Literal["safetensors", "gguf", "compressed-tensors", "gptq", "awq"]] = []
 
     @property
     def needs_calibration(self) -> bool:
@@ -191,7 +192,7 @@ class Variant(_Strict):
 
     @model_validator(mode="after")
     def _quantized_exports_hold_the_weights(self) -> "Variant":
-        for export in ("compressed-tensors", "gptq"):
+        for export in ("compressed-tensors", "gptq", "awq"):
             if export not in self.exports:
                 continue
             if self.weights.method not in ("rtn", "gptq", "awq"):
@@ -199,10 +200,12 @@ class Variant(_Strict):
             if getattr(self.weights, "outliers", None) is not None:
                 raise ValueError(f"a {export} export cannot hold outlier columns kept in 16 bits")
             try:
-                if export == "gptq":
-                    gptq_check_spec(self.weights.spec)
+                if export in ("gptq", "awq"):
+                    (gptq_check_spec if export == "gptq" else awq_check_spec)(self.weights.spec)
                     if self.activations is not None:
-                        raise ValueError("quantized activations (GPTQ checkpoints are weight-only)")
+                        raise ValueError(f"quantized activations ({export.upper()} checkpoints are weight-only)")
+                    if export == "awq" and getattr(self.weights, "act_order", False) and not self.weights.static_groups:
+                        raise ValueError("act-order groups (g_idx; use static_groups: true, or the gptq export)")
                 else:
                     compressed_tensors_layout(self.weights.spec, self.activations.spec if self.activations else None)
             except ValueError as e:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from rich.progress import Progress
 
+from formats.awq import AWQWriter
 from formats.compressed_tensors import CompressedTensorsWriter
 from formats.gguf import GGUFFileWriter, architecture_of, check_shapes, gguf_name, gguf_order
 from formats.gptq import GPTQWriter
@@ -121,6 +122,8 @@ def build_variant(
         settings = {"damp_percent": weights.damp, "static_groups": weights.static_groups, "true_sequential": True} \
             if isinstance(weights, GPTQWeights) else {"method": weights.method}
         writers.append(GPTQWriter(vdir / "gptq", ckpt, plan.names, plan.quantized, weights.spec, act_order, settings))
+    if "awq" in variant.exports:
+        writers.append(AWQWriter(vdir / "awq", ckpt, plan.names, plan.quantized, variant.weights.spec))
     if "gguf" in variant.exports:
         file_type = variant.weights.type
         dest = gguf_path or vdir / f"{ckpt.path.name}-{file_type}.gguf"

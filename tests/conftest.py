@@ -26,7 +26,7 @@ SMALL_RECIPE = {
          "weights": {"method": "gptq", "bits": 4, "symmetric": False, "group_size": 64, "act_order": True},
          "exports": ["safetensors", "gptq"]},
         {"name": "awq-int4-g64", "weights": {"method": "awq", "bits": 4, "group_size": 64},
-         "exports": ["safetensors", "compressed-tensors"]},
+         "exports": ["safetensors", "compressed-tensors", "awq"]},
         {"name": "int4-g64-outliers",
          "weights": {"method": "rtn", "bits": 4, "symmetric": False, "granularity": "group", "group_size": 64,
                      "outliers": {"relative": 2.0}}},

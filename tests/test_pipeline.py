@@ -64,7 +64,7 @@ def test_every_export_listed_in_the_report_exists(small_run):
         "int8/safetensors", "int4-g64-asym/safetensors", "gptq-int4-g64-asym/safetensors", "awq-int4-g64/safetensors",
         "w8a8-smoothquant/safetensors",
         "int8/compressed-tensors", "int4-g64-asym/compressed-tensors", "awq-int4-g64/compressed-tensors",
-        "w8a8-smoothquant/compressed-tensors", "int8/gptq", "gptq-int4-g64-asym/gptq",
+        "w8a8-smoothquant/compressed-tensors", "int8/gptq", "gptq-int4-g64-asym/gptq", "awq-int4-g64/awq",
         "f16/tiny-F16.gguf", "q8_0/tiny-Q8_0.gguf",
         "q4_k_m-imatrix/tiny-Q4_K_M.gguf",
     }

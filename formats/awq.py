@@ -1,0 +1,79 @@
+"""AWQ checkpoints: AutoAWQ's GEMM layout, which transformers, vLLM and GPTQModel load.
+
+Per quantized Linear ``X`` with ``I`` inputs, ``O`` outputs and ``G`` groups of consecutive inputs:
+
+- ``X.qweight`` int32 ``[I, O/8]``: each input row's 4-bit codes packed along the output, eight
+  to a word in AutoAWQ's interleaved order: nibble i of word k holds output ``8k + [0, 2, 4, 6,
+  1, 3, 5, 7][i]`` (the order its GEMM kernel unpacks fastest).
+- ``X.qzeros`` int32 ``[G, O/8]``: the zero-points, packed the same way.
+- ``X.scales`` float16 ``[G, O]``.
+
+4-bit by group only, and no ``g_idx``: AWQ's kernels know neither channel scales nor act-order.
+Zero-points are always stored (``zero_point: true``); a symmetric spec stores its fixed mid-level.
+AWQ's folded scales are already in the float tensors (the norms and Linears before each group of
+inputs), which are written as they are, in float16.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from formats.hf import HFCheckpoint, is_linear_weight
+from formats.packing import pack_codes
+from formats.quantized_folder import Planned, QuantizedFolderWriter
+from quant.types import InputError, QuantizedTensor, QuantSpec
+
+_ORDER = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])
+
+
+def check_spec(spec: QuantSpec) -> None:
+    """ValueError saying why ``spec`` has no AWQ layout."""
+    if spec.format != "int" or spec.bits != 4:
+        raise ValueError(f"{spec.label} weights (AWQ holds int4)")
+    if spec.granularity != "group":
+        raise ValueError(f"granularity '{spec.granularity}' (AWQ takes groups)")
+
+
+def _interleaved(t: torch.Tensor) -> torch.Tensor:
+    """Columns of ``[rows, O]`` in AutoAWQ's packing order, eight at a time."""
+    rows, out = t.shape
+    return t.reshape(rows, out // 8, 8)[:, :, _ORDER].reshape(rows, out)
+
+
+class AWQWriter(QuantizedFolderWriter):
+    """One variant as an AWQ (GEMM) folder."""
+
+    export = "awq"
+
+    def __init__(self, dest: Path, source: HFCheckpoint, names: list[str], quantized: set[str], spec: QuantSpec):
+        try:
+            check_spec(spec)
+        except ValueError as e:
+            raise InputError(f"awq export: no layout holds {e}") from None
+        self.spec = spec
+        linears = [n.removesuffix(".weight") for n in names if is_linear_weight(n, tuple(source.shape(n)))]
+        unconverted = [m for m in linears if f"{m}.weight" not in quantized]
+        quantization = {"quant_method": "awq", "bits": 4, "group_size": spec.group_size, "zero_point": True,
+                        "version": "gemm", "modules_to_not_convert": unconverted or None}
+        self._open(dest, source, names, quantized, quantization)
+
+    def stored(self, module: str, shape: tuple[int, int]) -> Planned:
+        out, n_in = shape
+        if out % 8:
+            raise InputError(f"awq export: tensor '{module}.weight' has {out} outputs, not a multiple of 8")
+        groups = n_in // self.spec.group_size
+        return [
+            (f"{module}.qweight", torch.int32, (n_in, out // 8)),
+            (f"{module}.qzeros", torch.int32, (groups, out // 8)),
+            (f"{module}.scales", torch.float16, (groups, out)),
+        ]
+
+    def encode(self, payload: QuantizedTensor) -> list[torch.Tensor]:
+        zeros = payload.zeros.round().to(torch.uint8)
+        return [
+            pack_codes(_interleaved(payload.codes.T.contiguous()), 4),
+            pack_codes(_interleaved(zeros.T.contiguous()), 4),
+            payload.scales.T.to(torch.float16).contiguous(),
+        ]
