@@ -11,16 +11,26 @@ from formats.hf import read_safetensors_header
 from quant.types import InputError
 
 
+# In a quantized checkpoint (GPTQ, AWQ, compressed-tensors), the tensors that describe a quantized
+# weight (scales, zero-points, group maps, shapes) rather than hold weights of their own.
+_AUXILIARY = (".qzeros", ".scales", ".g_idx", ".weight_scale", ".weight_zero_point", ".weight_shape", ".weight_g_idx")
+
+
 @dataclass
 class TensorEntry:
     name: str
     type: str
     shape: tuple[int, ...]
     nbytes: int
+    weights: int | None = None  # the weights it holds: several per int32 word when packed; 0 for a scale
+
+    def __post_init__(self) -> None:
+        if self.weights is None:
+            self.weights = int(np.prod(self.shape))
 
     @property
     def bits_per_weight(self) -> float:
-        return 8.0 * self.nbytes / max(1, int(np.prod(self.shape)))
+        return 8.0 * self.nbytes / max(1, self.weights or int(np.prod(self.shape)))
 
 
 @dataclass
@@ -29,11 +39,12 @@ class FileSummary:
     format: str
     metadata: dict[str, str]
     tensors: list[TensorEntry]
+    quantization: str | None = None  # a quantized checkpoint's scheme, from its folder's config.json
 
     @property
     def bits_per_weight(self) -> float:
-        params = sum(int(np.prod(t.shape)) for t in self.tensors)
-        return 8.0 * sum(t.nbytes for t in self.tensors) / max(1, params)
+        """Every byte of the file over the weights it holds (scales and zero-points count as cost)."""
+        return 8.0 * sum(t.nbytes for t in self.tensors) / max(1, sum(t.weights for t in self.tensors))
 
 
 def inspect_file(path: Path) -> FileSummary:
@@ -64,11 +75,36 @@ def _inspect_safetensors(path: Path) -> FileSummary:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         meta = json.loads(f.read(n)).get("__metadata__") or {}
-    tensors = [
-        TensorEntry(name, info["dtype"], tuple(info["shape"]), info["data_offsets"][1] - info["data_offsets"][0])
-        for name, info in header.items()
-    ]
-    return FileSummary(path, "safetensors", {k: str(v) for k, v in meta.items()}, tensors)
+    scheme, bits = _quantization(path)
+    tensors = []
+    for name, info in header.items():
+        shape = tuple(info["shape"])
+        weights = None
+        if bits and name.endswith(_AUXILIARY):
+            weights = 0
+        elif bits and name.endswith((".qweight", ".weight_packed")):  # int32 words of packed codes
+            weights = int(np.prod(shape)) * 32 // bits
+        tensors.append(TensorEntry(name, info["dtype"], shape, info["data_offsets"][1] - info["data_offsets"][0], weights))
+    return FileSummary(path, "safetensors", {k: str(v) for k, v in meta.items()}, tensors, scheme)
+
+
+def _quantization(path: Path) -> tuple[str | None, int | None]:
+    """(scheme, code bits) of a quantized checkpoint, from the config.json beside the file."""
+    import json
+
+    try:
+        config = json.loads((path.parent / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError, AttributeError):
+        return None, None
+    method = config.get("quant_method")
+    if method in ("gptq", "awq"):
+        group = config.get("group_size", -1)
+        return f"{method} int{config.get('bits')} {'channel' if group == -1 else f'g{group}'}", config.get("bits")
+    if method == "compressed-tensors":
+        weights = next(iter(config.get("config_groups", {}).values()), {}).get("weights") or {}
+        bits = weights.get("num_bits")
+        return f"compressed-tensors {config.get('format')} {weights.get('type')}{bits} {weights.get('strategy')}", bits
+    return None, None
 
 
 def _inspect_gguf(path: Path) -> FileSummary:

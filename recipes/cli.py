@@ -97,7 +97,8 @@ def inspect(file: Path = typer.Argument(..., help="A .gguf or .safetensors file.
     from formats.inspect import inspect_file
 
     summary = inspect_file(file)
-    stdout.print(f"[bold]{summary.path}[/bold]: {summary.format}, {len(summary.tensors)} tensors, "
+    scheme = f" ({summary.quantization})" if summary.quantization else ""
+    stdout.print(f"[bold]{summary.path}[/bold]: {summary.format}{scheme}, {len(summary.tensors)} tensors, "
                  f"{summary.bits_per_weight:.3f} bits per weight")
     if summary.metadata:
         meta = Table("key", "value", title="metadata")

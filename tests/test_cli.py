@@ -225,6 +225,18 @@ def test_inspect_gguf_and_safetensors(monkeypatch, capsys, small_run):
     assert "model.layers.0.self_attn.q_proj.weight" in text and "BF16" in text and "256x256" in text
 
 
+def test_inspect_counts_packed_weights_of_quantized_checkpoints(monkeypatch, capsys, small_run):
+    out, report = small_run
+    row = next(r for r in report["variants"] if r["name"] == "int4-g64-asym")
+    code, text, _ = quantize(monkeypatch, capsys, "inspect", out / "int4-g64-asym" / "compressed-tensors" / "model.safetensors")
+    assert code == 0 and "(compressed-tensors pack-quantized int4 group)" in text
+    # the file's bytes over the weights its int32 words hold: what the report counted for the variant
+    bits = float(text.split(" bits per weight")[0].split()[-1])
+    assert bits == pytest.approx(row["bits_per_weight"], rel=0.005)
+    code, text, _ = quantize(monkeypatch, capsys, "inspect", out / "gptq-int4-g64-asym" / "gptq" / "model.safetensors")
+    assert code == 0 and "(gptq int4 g64)" in text
+
+
 def test_inspect_bad_files(monkeypatch, capsys, tmp_path, small_run):
     out, _ = small_run
     junk = tmp_path / "junk.bin"
