@@ -12,8 +12,8 @@ Per quantized Linear ``X`` with ``I`` inputs, ``O`` outputs, ``b`` bits and ``G`
 Symmetric files are checkpoint format ``gptq`` ("v1"), which stores each zero-point minus one: the
 layout every loader reads. v1 cannot hold an asymmetric zero-point of 0 (it wraps, and loaders
 that add the one back carry into the next field), so asymmetric files are ``gptq_v2``, with the
-zero-points as they are, which GPTQModel reads; vLLM's GPTQ kernels take v1 only, and serve
-asymmetric weights from a compressed-tensors export instead. Every float tensor is float16, like
+zero-points as they are, which GPTQModel reads, and vLLM since its gptq_v2 support (older
+releases read every GPTQ file as v1; a compressed-tensors export serves asymmetric weights there). Every float tensor is float16, like
 the scales the codes were chosen for.
 """
 

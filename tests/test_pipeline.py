@@ -136,7 +136,8 @@ def test_same_recipe_gives_byte_identical_files(tmp_path):
     variant = Variant.model_validate({
         "name": "v", "weights": {"method": "gguf", "type": "Q8_0"}, "exports": ["gguf"],
     })
-    dense = Variant.model_validate({"name": "d", "weights": {"method": "rtn", "bits": 4}, "exports": ["safetensors"]})
+    dense = Variant.model_validate({"name": "d", "weights": {"method": "rtn", "bits": 4, "granularity": "group", "group_size": 64},
+                                    "exports": ["safetensors", "compressed-tensors", "gptq", "awq"]})
 
     def digest(folder):
         files = [p for p in sorted(folder.rglob("*")) if p.is_file()]
