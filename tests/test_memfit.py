@@ -66,6 +66,20 @@ def test_gguf_weights_match_our_own_exports_of_the_bundled_model(tmp_path, file_
     assert weights_bytes(load_model_shape(str(path)), "ignored") == written  # a GGUF file: its own tensors
 
 
+@pytest.mark.parametrize("fmt, export, symmetric", [("gptq", "gptq", True), ("awq", "awq", False), ("int4", "compressed-tensors", True)])
+def test_integer_weights_match_our_own_checkpoint_exports(tmp_path, fmt, export, symmetric):
+    from formats.hf import read_safetensors_header
+    from recipes.schema import Variant
+
+    weights = {"method": "rtn", "bits": 4, "symmetric": symmetric, "granularity": "group", "group_size": 64}
+    build_variant(HFCheckpoint.open(TINY), Variant.model_validate({"name": "v", "weights": weights, "exports": [export]}),
+                  tmp_path, keep_weights=False)
+    header = read_safetensors_header(tmp_path / "v" / export / "model.safetensors")
+    written = sum(t["data_offsets"][1] - t["data_offsets"][0] for t in header.values())
+    shape_tensors = 16 * sum(name.endswith(".weight_shape") for name in header)  # compressed-tensors' int64 [2] each
+    assert weights_bytes(load_model_shape(str(TINY)), fmt, group_size=64) == written - shape_tensors
+
+
 def test_kv_cache_of_llama_3_1_8b_at_8192_tokens_is_one_gib():
     shape = load_model_shape("llama-3.1-8b")
     assert kv_bytes_per_token(shape, "fp16") == 32 * 2 * 8 * 128 * 2
