@@ -3,7 +3,8 @@
 Per variant, tensors stream from the source checkpoint one at a time through the quantizer into
 every export writer and into the variant's in-memory weights, so the files and the evaluated model
 are the same numbers by construction. Everything a user could get wrong is checked before the
-first tensor is touched.
+first tensor is touched. A rerun into the same output folder keeps every variant whose inputs are
+unchanged since it last finished (recipes/resume.py) and redoes the rest.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from evalsuite.report import Report, VariantRow, write_report
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
 from quant.activations import simulated_activations
 from recipes.importance import model_imatrix
+from recipes.resume import ORIGINAL, RECORD, Keys, finished, record
 from recipes.schema import AWQWeights, Calibration, GPTQWeights, Recipe, RTNWeights, Variant
 from recipes.variants import activation_modules, build_variant, plan_variant
 
@@ -34,27 +36,43 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
     tokenizer = load_tokenizer(ckpt)
     ev = recipe.evaluation
     windows = token_windows(tokenizer, ev.text, ev.window, ev.max_windows)
-    needs_imatrix = any(getattr(v.weights, "imatrix", False) for v in recipe.variants)
-    needs_calibration = any(v.needs_calibration for v in recipe.variants)
+    keys = Keys(recipe, ckpt)
+    kept = {v.name: finished(out_dir / v.name / RECORD, keys.variant(v), out_dir) for v in recipe.variants}
+    todo = [v for v in recipe.variants if kept[v.name] is None]
+    for name, row in kept.items():
+        if row is not None:
+            console.print(f"{name}: unchanged since it last finished; its files and scores are kept")
+    needs_imatrix = any(getattr(v.weights, "imatrix", False) for v in todo)
+    needs_calibration = any(v.needs_calibration for v in todo)
     calib_windows = _calibration_windows(tokenizer, recipe.calibration) if needs_calibration else None
     out_dir.mkdir(parents=True, exist_ok=True)
 
     with progress_bar(console) as progress:
-        loading = progress.add_task("original: load", total=None)
-        reference_model = load_causal_lm(ckpt)
-        progress.remove_task(loading)
-        imatrix = None
-        if needs_imatrix:
-            imatrix = _tracked(progress, "importance matrix", len(calib_windows),
-                               lambda tick: model_imatrix(reference_model, ckpt, calib_windows, tick))
-        reference = causal_lm_logprobs(reference_model)
-        start = time.perf_counter()
-        original = _tracked(progress, "original: evaluate", len(windows),
-                            lambda tick: score(reference, windows, on_window=tick))
-        bits = _bits_of_source(ckpt)
-        rows = [VariantRow("original", f"source ({_dtype_label(ckpt)})", bits, _size_mb(ckpt, bits), original,
-                           seconds=time.perf_counter() - start)]
+        original = None if todo else finished(out_dir / ORIGINAL, keys.original(), out_dir)
+        if original is None:
+            loading = progress.add_task("original: load", total=None)
+            reference_model = load_causal_lm(ckpt)
+            progress.remove_task(loading)
+            imatrix = None
+            if needs_imatrix:
+                imatrix = _tracked(progress, "importance matrix", len(calib_windows),
+                                   lambda tick: model_imatrix(reference_model, ckpt, calib_windows, tick))
+            reference = causal_lm_logprobs(reference_model)
+            start = time.perf_counter()
+            scores = _tracked(progress, "original: evaluate", len(windows),
+                              lambda tick: score(reference, windows, on_window=tick))
+            bits = _bits_of_source(ckpt)
+            original = VariantRow("original", f"source ({_dtype_label(ckpt)})", bits, _size_mb(ckpt, bits), scores,
+                                  seconds=time.perf_counter() - start)
+        rows = [original]
         for variant in recipe.variants:
+            if kept[variant.name] is not None:
+                row = kept[variant.name]
+                row.ppl_delta = row.scores.ppl - original.scores.ppl
+                rows.append(row)
+                continue
+            done = out_dir / variant.name / RECORD
+            done.unlink(missing_ok=True)  # a crash from here on must not leave the old record standing
             start = time.perf_counter()
             uses = imatrix if getattr(variant.weights, "imatrix", False) else None
             built = build_variant(ckpt, variant, out_dir, progress, imatrix=uses, calibration=calib_windows)
@@ -65,15 +83,18 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
                 scores = _tracked(progress, f"{variant.name}: evaluate", len(windows),
                                   lambda tick: score(causal_lm_logprobs(model), windows, reference, on_window=tick))
             del model
-            rows.append(VariantRow(
+            row = VariantRow(
                 variant.name, _describe(variant), bits, _size_mb(ckpt, bits), scores,
-                ppl_delta=scores.ppl - original.ppl, seconds=time.perf_counter() - start,
+                ppl_delta=scores.ppl - original.scores.ppl, seconds=time.perf_counter() - start,
                 files=[_file_entry(f, out_dir) for f in files], input_statistics=statistics,
-            ))
+            )
+            record(done, keys.variant(variant), row)
+            rows.append(row)
 
     report = Report(model=str(recipe.model), eval_text=str(ev.text), windows=windows.shape[0],
                     window=windows.shape[1], rows=rows)
     write_report(report, out_dir)
+    record(out_dir / ORIGINAL, keys.original(), original)
     return report
 
 

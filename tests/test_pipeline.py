@@ -1,6 +1,7 @@
 """The recipe job end to end on the bundled model, and what its files hold."""
 
 import hashlib
+import shutil
 
 import numpy as np
 import pytest
@@ -167,3 +168,51 @@ def test_targets_and_ignore_choose_the_modules_rtn_and_awq_quantize(tmp_path):
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight"):
         levels = max(row.unique().numel() for row in state[name][:, :64])  # one group of 64 columns per row
         assert (levels <= 16) == (".mlp." in name), name  # the attention weights are scaled, not quantized
+
+
+def test_rerun_keeps_finished_variants_and_redoes_what_changed(tmp_path, monkeypatch):
+    """A rerun into the same folder rebuilds only variants whose recipe entry changed or whose
+    files are gone; with nothing to do it loads no model at all."""
+    from rich.console import Console
+
+    import recipes.pipeline as pipeline
+    from conftest import SMALL_RECIPE, write_recipe
+    from recipes.schema import load_recipe
+
+    variants = [
+        {"name": "a", "weights": {"method": "rtn", "bits": 8}, "exports": ["safetensors"]},
+        {"name": "b", "weights": {"method": "rtn", "bits": 4, "granularity": "group", "group_size": 64}, "exports": ["gptq"]},
+    ]
+    recipe = dict(SMALL_RECIPE, variants=variants)
+    recipe.pop("calibration")
+    out = tmp_path / "out"
+    built = []
+    real_build = pipeline.build_variant
+
+    def counting_build(ckpt, variant, *args, **kwargs):
+        built.append(variant.name)
+        return real_build(ckpt, variant, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "build_variant", counting_build)
+
+    def run(changes: dict | None = None) -> dict:
+        r = dict(recipe, variants=[dict(v, **(changes or {}).get(v["name"], {})) for v in variants])
+        report = pipeline.run_recipe(load_recipe(write_recipe(tmp_path, r)), out, Console(quiet=True))
+        return {row.name: row for row in report.rows}
+
+    first = run()
+    assert built == ["a", "b"]
+    with monkeypatch.context() as m:  # nothing to do: no model is even loaded
+        m.setattr(pipeline, "load_causal_lm", lambda ckpt: pytest.fail("the model was loaded"))
+        again = run()
+    assert built == ["a", "b"]
+    assert {n: r.scores for n, r in again.items()} == {n: r.scores for n, r in first.items()}
+    assert (out / "report.json").is_file()
+    # a changed entry redoes that variant only
+    changed = run({"b": {"weights": {"method": "rtn", "bits": 4, "granularity": "group", "group_size": 128}}})
+    assert built == ["a", "b", "b"] and changed["b"].scores != first["b"].scores
+    assert changed["a"].scores == first["a"].scores
+    # so does a missing or damaged export
+    shutil.rmtree(out / "a" / "safetensors")
+    run({"b": {"weights": {"method": "rtn", "bits": 4, "granularity": "group", "group_size": 128}}})
+    assert built == ["a", "b", "b", "a"]

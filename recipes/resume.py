@@ -1,0 +1,91 @@
+"""Resuming a recipe job: a variant whose inputs are unchanged since it last finished is not redone.
+
+A finished variant leaves ``<out>/<variant>/.done.json``: its report row and a key over everything
+that decided it: its entry in the recipe, the model folder (config.json, and the name, size and
+modification time of every file in it, which covers weights and tokenizer), the evaluation text and
+settings, and, for calibrated variants, the calibration text and settings. A rerun into the same
+output folder takes the row of every variant whose key matches and whose files are all still there
+at their recorded sizes; the others are built and scored again. The original's row is kept the same
+way (``<out>/.original.json``), so a rerun with nothing to do loads no model at all. To redo a
+variant regardless, delete its folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from evalsuite.metrics import Scores
+from evalsuite.report import VariantRow
+from formats.hf import HFCheckpoint
+from recipes.schema import Recipe, Variant
+
+RECORD = ".done.json"
+ORIGINAL = ".original.json"
+
+
+class Keys:
+    """The resume keys of one job's original and variants."""
+
+    def __init__(self, recipe: Recipe, ckpt: HFCheckpoint):
+        ev = recipe.evaluation
+        self._evaluation = {
+            "model": {"config": ckpt.config, "files": _folder_stat(ckpt.path)},
+            "evaluation": {"text": _sha256(ev.text), "window": ev.window, "max_windows": ev.max_windows},
+        }
+        cal = recipe.calibration
+        self._calibration = None if cal is None else {
+            "text": _sha256(cal.text), "window": cal.window, "max_windows": cal.max_windows, "seed": cal.seed,
+        }
+
+    def original(self) -> str:
+        return _digest(self._evaluation)
+
+    def variant(self, variant: Variant) -> str:
+        inputs = dict(self._evaluation, variant=variant.model_dump(mode="json"))
+        if variant.needs_calibration:
+            inputs["calibration"] = self._calibration
+        return _digest(inputs)
+
+
+def finished(path: Path, key: str, out_dir: Path) -> VariantRow | None:
+    """The row recorded at ``path`` if its key is ``key`` and its files are intact, else None."""
+    try:
+        record = json.loads(path.read_text())
+        if record["key"] != key:
+            return None
+        row = record["row"]
+        scores = Scores(**{k: row.pop(k) for k in ("ppl", "kld", "top1", "tokens")})
+        row = VariantRow(scores=scores, **row)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    for f in row.files:
+        target = out_dir / f["path"]
+        if not target.exists() or _size(target) != f["bytes"]:
+            return None
+    return row
+
+
+def record(path: Path, key: str, row: VariantRow) -> None:
+    """Write the record under a temporary name and rename it: a crash leaves none, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps({"key": key, "row": row.as_dict()}, indent=1) + "\n")
+    tmp.rename(path)
+
+
+def _folder_stat(folder: Path) -> dict[str, list[int]]:
+    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _digest(inputs: dict) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
