@@ -23,9 +23,10 @@ from evalsuite.metrics import causal_lm_logprobs, score
 from evalsuite.report import Report, VariantRow, write_report
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
 from quant.activations import simulated_activations
+from quant.kv_cache import simulated_kv_cache
 from recipes.importance import model_imatrix
 from recipes.resume import ORIGINAL, RECORD, Keys, finished, record
-from recipes.schema import AWQWeights, Calibration, GPTQWeights, Recipe, RTNWeights, Variant
+from recipes.schema import AWQWeights, Calibration, GPTQWeights, Recipe, RTNWeights, SourceWeights, Variant
 from recipes.variants import activation_modules, build_variant, plan_variant
 
 
@@ -79,7 +80,7 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
             model = model_from_state(reference_model.config, built.state)
             bits, files, statistics = built.bits_per_weight, built.files, built.input_statistics
             del built
-            with _activations(model, ckpt, variant):
+            with _activations(model, ckpt, variant), _kv_cache(model, variant):
                 scores = _tracked(progress, f"{variant.name}: evaluate", len(windows),
                                   lambda tick: score(causal_lm_logprobs(model), windows, reference, on_window=tick))
             del model
@@ -109,8 +110,22 @@ def _activations(model: torch.nn.Module, ckpt: HFCheckpoint, variant: Variant) -
     return simulated_activations(model, variant.activations.spec, activation_modules(ckpt, variant))
 
 
+def _kv_cache(model: torch.nn.Module, variant: Variant) -> AbstractContextManager[None]:
+    """Inside, the model's attention reads its keys and values through the variant's KV cache."""
+    if variant.kv_cache is None:
+        return nullcontext()
+    return simulated_kv_cache(model, variant.kv_cache.spec)
+
+
 def _describe(variant: Variant) -> str:
+    kv = f" {variant.kv_cache.spec.label}" if variant.kv_cache else ""
+    return _describe_weights(variant) + kv
+
+
+def _describe_weights(variant: Variant) -> str:
     w = variant.weights
+    if isinstance(w, SourceWeights):
+        return "source weights"
     if isinstance(w, RTNWeights):
         label = f"rtn {w.spec.label}" + (" fp16-outliers" if w.outliers else "")
     elif isinstance(w, AWQWeights):

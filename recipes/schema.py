@@ -20,6 +20,7 @@ from quant.ggml import FILE_TYPES
 from quant.activations import ActivationSpec
 from quant.awq import AWQSettings
 from quant.gptq import GPTQSettings
+from quant.kv_cache import KVCacheSpec
 from quant.outliers import OutlierRule
 from quant.types import FORMAT_BITS, InputError, NumberFormat, QuantSpec
 
@@ -159,6 +160,23 @@ class GGUFWeights(_Strict):
     imatrix: bool = False  # weight rounding errors by an importance matrix from the calibration text
 
 
+class SourceWeights(_Strict):
+    """The source weights as they are: for variants that change only the KV cache."""
+
+    method: Literal["none"]
+
+
+class KVCache(_Strict):
+    """The KV cache in a smaller type, simulated in the evaluation (quant/kv_cache.py): ``int8`` and
+    ``int4`` are llama.cpp's q8_0 and q4_0 cache types, ``fp8`` vLLM's e4m3 cache without scales."""
+
+    format: Literal["fp8", "int8", "int4"]
+
+    @property
+    def spec(self) -> KVCacheSpec:
+        return KVCacheSpec(self.format)
+
+
 class Activations(_Strict):
     """Per-token dynamic quantization of the inputs of every Linear whose weights the variant
     quantizes (W8A8 and friends), simulated in the evaluation; SmoothQuant (α, or null for none)
@@ -174,8 +192,9 @@ class Activations(_Strict):
 
 class Variant(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)
-    weights: Annotated[Union[RTNWeights, GPTQWeights, AWQWeights, GGUFWeights], Field(discriminator="method")]
+    weights: Annotated[Union[RTNWeights, GPTQWeights, AWQWeights, GGUFWeights, SourceWeights], Field(discriminator="method")]
     activations: Activations | None = None
+    kv_cache: KVCache | None = None
     exports: list[Literal["safetensors", "gguf", "compressed-tensors", "gptq", "awq"]] = []
 
     @property

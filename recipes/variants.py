@@ -27,7 +27,7 @@ from quant.outliers import mixed_precision_model
 from quant.rtn import quantize_rtn
 from quant.smoothquant import LayerQuantizer, rtn_layer, smoothquant_model
 from quant.types import InputError, TensorPayload, dequantized
-from recipes.schema import AWQWeights, GGUFWeights, GPTQWeights, RTNWeights, Variant
+from recipes.schema import AWQWeights, GGUFWeights, GPTQWeights, RTNWeights, SourceWeights, Variant
 
 Imatrix = dict[str, np.ndarray]  # HF weight name -> importance per input column
 
@@ -76,6 +76,8 @@ def plan_variant(ckpt: HFCheckpoint, variant: Variant, imatrix: bool = False) ->
                     f"variant '{variant.name}': block size {spec.group_size} does not divide the shape {rows}x{cols} of tensor '{n}'"
                 )
         return Plan(names, quantized=set(targets))
+    if isinstance(weights, SourceWeights):
+        return Plan(names)
     if "gguf" in variant.exports:
         architecture_of(ckpt)
         check_shapes(ckpt)

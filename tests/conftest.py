@@ -32,6 +32,7 @@ SMALL_RECIPE = {
                      "outliers": {"relative": 2.0}}},
         {"name": "w8a8-smoothquant", "weights": {"method": "rtn", "bits": 8}, "activations": {"format": "int8"},
          "exports": ["safetensors", "compressed-tensors"]},
+        {"name": "kv-int4", "weights": {"method": "none"}, "kv_cache": {"format": "int4"}},
         {"name": "f16", "weights": {"method": "gguf", "type": "F16"}, "exports": ["gguf"]},
         {"name": "q8_0", "weights": {"method": "gguf", "type": "Q8_0"}, "exports": ["gguf"]},
         {"name": "q4_k_m-imatrix", "weights": {"method": "gguf", "type": "Q4_K_M", "imatrix": True}, "exports": ["gguf"]},

@@ -20,7 +20,7 @@ def test_report_compares_every_variant_with_the_original(small_run):
     out, report = small_run
     rows = {r["name"]: r for r in report["variants"]}
     assert list(rows) == ["original", "int8", "int4-g64-asym", "gptq-int4-g64-asym", "awq-int4-g64", "int4-g64-outliers",
-                          "w8a8-smoothquant", "f16", "q8_0", "q4_k_m-imatrix"]
+                          "w8a8-smoothquant", "kv-int4", "f16", "q8_0", "q4_k_m-imatrix"]
     assert report["evaluation"]["windows"] == 2
     assert rows["original"]["kld"] is None and rows["original"]["tokens"] == 2 * 511
     assert 20 < rows["original"]["ppl"] < 200
@@ -52,6 +52,10 @@ def test_report_compares_every_variant_with_the_original(small_run):
     assert w8a8["method"] == "rtn int8-channel-sym a-int8-token smoothquant-0.5"
     assert rows["int8"]["kld"] < w8a8["kld"] < rows["int4-g64-asym"]["kld"]
     assert set(w8a8["input_statistics"]) == set(outliers["input_statistics"])
+    # the weights as they were, the KV cache in llama.cpp's q4_0: only the cache is scored
+    kv = rows["kv-int4"]
+    assert kv["method"] == "source weights kv-q4_0" and kv["bits_per_weight"] == rows["original"]["bits_per_weight"]
+    assert 0 < kv["kld"] < rows["int4-g64-asym"]["kld"] and kv["files"] == []
     md = (out / "report.md").read_text()
     assert "| int4-g64-asym | rtn int4-g64-asym |" in md
     assert "## Activation outliers: int4-g64-outliers" in md and "## Activation outliers: w8a8-smoothquant" in md

@@ -1,0 +1,82 @@
+"""KV-cache quantization, simulated: the keys and values attention reads back from a quantized cache.
+
+Serving engines store each token's keys (after rotary embedding) and values in the cache in a
+smaller type and read them back for every later token. Simulating it means giving attention the
+quantize-dequantize image of its keys and values and running the float model. The formats are the
+ones ``quantize fit --kv-cache`` sizes:
+
+- ``int8`` / ``int4``: llama.cpp's ``q8_0`` / ``q4_0`` cache types (``-ctk``/``-ctv``): blocks of
+  32 values along the head dimension, each with an fp16 scale, encoded by the same code as our
+  GGUF files (byte-identical to ggml's).
+- ``fp8``: vLLM's ``fp8_e4m3`` cache as it runs without calibrated scales: each value saturated to
+  ±448 and rounded to e4m3 (scale 1), so a model whose keys exceed 448 shows it.
+
+Every token is quantized as if it had been cached, including the one attending to itself, which
+engines may still read in full precision: a bound on the damage, which is what a report is for.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+import torch
+
+from quant.ggml import encode
+from quant.types import InputError
+
+_FP8_E4M3_MAX = 448.0
+_GGML_TYPES = {"int8": "Q8_0", "int4": "Q4_0"}
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    format: Literal["fp8", "int8", "int4"]
+
+    def __post_init__(self) -> None:
+        if self.format not in ("fp8", "int8", "int4"):
+            raise ValueError(f"KV-cache format must be fp8, int8 or int4, got {self.format!r}")
+
+    @property
+    def label(self) -> str:
+        """Short human name, e.g. ``kv-q8_0``."""
+        return {"fp8": "kv-fp8e4m3", "int8": "kv-q8_0", "int4": "kv-q4_0"}[self.format]
+
+
+def fake_quantize_kv(x: torch.Tensor, spec: KVCacheSpec) -> torch.Tensor:
+    """Keys or values ``[..., head_dim]`` as the cache gives them back."""
+    v = x.to(torch.float32)
+    if spec.format == "fp8":
+        q = v.clamp(-_FP8_E4M3_MAX, _FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    else:
+        if v.shape[-1] % 32:
+            raise InputError(f"KV cache {spec.format}: head size {v.shape[-1]} is not a multiple of 32 (llama.cpp's block)")
+        q = encode(v.reshape(-1, v.shape[-1]), _GGML_TYPES[spec.format], "KV cache").dequantize().reshape(v.shape)
+    return q.to(x.dtype)
+
+
+@contextmanager
+def simulated_kv_cache(model: torch.nn.Module, spec: KVCacheSpec) -> Iterator[None]:
+    """Inside the block, every attention layer of ``model`` (a transformers model) reads its keys and
+    values through the quantized cache; other models are untouched (transformers dispatches
+    attention through one shared table, so the wrapper checks which model's layer calls it), and
+    the table is restored afterwards."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    implementation = model.config._attn_implementation
+    if implementation not in ALL_ATTENTION_FUNCTIONS:
+        raise InputError(f"KV-cache quantization: attention implementation '{implementation}' cannot be wrapped")
+    attention = ALL_ATTENTION_FUNCTIONS[implementation]
+    layers = {id(m) for m in model.modules()}
+
+    def quantized_attention(module, query, key, value, *args, **kwargs):
+        if id(module) in layers:
+            key, value = fake_quantize_kv(key, spec), fake_quantize_kv(value, spec)
+        return attention(module, query, key, value, *args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS[implementation] = quantized_attention
+    try:
+        yield
+    finally:
+        ALL_ATTENTION_FUNCTIONS[implementation] = attention

@@ -1,0 +1,41 @@
+"""KV-cache quantization as the evaluation simulates it: llama.cpp's q8_0/q4_0 cache blocks (checked
+against gguf-py's own encoder and decoder) and vLLM's unscaled fp8 cache, applied to one model's
+attention only."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from conftest import TINY
+from quant.kv_cache import KVCacheSpec, fake_quantize_kv, simulated_kv_cache
+
+
+@pytest.mark.parametrize("fmt, ggml_type", [("int8", GGMLQuantizationType.Q8_0), ("int4", GGMLQuantizationType.Q4_0)])
+def test_integer_caches_are_llama_cpp_blocks_of_32(fmt, ggml_type):
+    keys = torch.randn(2, 4, 37, 64, generator=torch.Generator().manual_seed(0)) * 3  # [batch, kv heads, tokens, head dim]
+    rows = keys.reshape(-1, 64).numpy()
+    expected = dequantize(quantize(rows, ggml_type), ggml_type).reshape(keys.shape)
+    assert np.array_equal(fake_quantize_kv(keys, KVCacheSpec(fmt)).numpy(), expected)
+
+
+def test_fp8_cache_saturates_without_scales():
+    values = torch.tensor([0.1, 1.0, 3.3, 447.0, 1000.0, -5000.0])
+    out = fake_quantize_kv(values, KVCacheSpec("fp8"))
+    assert out.tolist() == [0.1015625, 1.0, 3.25, 448.0, 448.0, -448.0]  # e4m3: 3 mantissa bits, ±448 at most
+
+
+def test_only_the_wrapped_model_reads_a_quantized_cache():
+    from transformers import AutoModelForCausalLM
+
+    quantized, plain = (AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval() for _ in range(2))
+    ids = torch.arange(64)[None] * 37 % 8000
+    with torch.no_grad():
+        before = quantized(ids).logits
+        with simulated_kv_cache(quantized, KVCacheSpec("int4")):
+            inside = quantized(ids).logits
+            other = plain(ids).logits
+        after = quantized(ids).logits
+    assert (inside - before).abs().max() > 1e-2  # 4-bit keys and values move the logits
+    assert torch.equal(other, before) and torch.equal(after, before)  # the other model, and afterwards: untouched
