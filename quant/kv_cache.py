@@ -7,7 +7,12 @@ ones ``quantize fit --kv-cache`` sizes:
 
 - ``int8`` / ``int4``: llama.cpp's ``q8_0`` / ``q4_0`` cache types (``-ctk``/``-ctv``): blocks of
   32 values along the head dimension, each with an fp16 scale, encoded by the same code as our
-  GGUF files (byte-identical to ggml's).
+  GGUF files (byte-identical to ggml's). Since April 2026 llama.cpp rotates what it stores in a
+  quantized cache by an orthonormal Walsh-Hadamard matrix (and the queries and the attention
+  output to match), which spreads outlier channels over the block: keys in blocks of the largest
+  power of two dividing the head size, values in blocks of 64, when the head size is a multiple
+  of 64. Attention is unchanged by the rotation itself, so the simulation quantizes in the rotated
+  space and rotates back.
 - ``fp8``: vLLM's ``fp8_e4m3`` cache as it runs without calibrated scales: each value saturated to
   ±448 and rounded to e4m3 (scale 1), so a model whose keys exceed 448 shows it.
 
@@ -17,6 +22,7 @@ engines may still read in full precision: a bound on the damage, which is what a
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Literal
@@ -44,16 +50,44 @@ class KVCacheSpec:
         return {"fp8": "kv-fp8e4m3", "int8": "kv-q8_0", "int4": "kv-q4_0"}[self.format]
 
 
-def fake_quantize_kv(x: torch.Tensor, spec: KVCacheSpec) -> torch.Tensor:
-    """Keys or values ``[..., head_dim]`` as the cache gives them back."""
+def fake_quantize_kv(x: torch.Tensor, spec: KVCacheSpec, rotation: int | None = None) -> torch.Tensor:
+    """Keys or values ``[..., head_dim]`` as the cache gives them back; ``rotation``: the size of
+    the Hadamard blocks they are stored rotated by (None: stored as they are)."""
     v = x.to(torch.float32)
     if spec.format == "fp8":
-        q = v.clamp(-_FP8_E4M3_MAX, _FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
-    else:
-        if v.shape[-1] % 32:
-            raise InputError(f"KV cache {spec.format}: head size {v.shape[-1]} is not a multiple of 32 (llama.cpp's block)")
-        q = encode(v.reshape(-1, v.shape[-1]), _GGML_TYPES[spec.format], "KV cache").dequantize().reshape(v.shape)
+        return v.clamp(-_FP8_E4M3_MAX, _FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(x.dtype)
+    if v.shape[-1] % 32:
+        raise InputError(f"KV cache {spec.format}: head size {v.shape[-1]} is not a multiple of 32 (llama.cpp's block)")
+    if rotation:
+        v = _rotate(v, rotation)
+    q = encode(v.reshape(-1, v.shape[-1]), _GGML_TYPES[spec.format], "KV cache").dequantize().reshape(v.shape)
+    if rotation:
+        q = _rotate(q, rotation)  # the matrix is its own inverse
     return q.to(x.dtype)
+
+
+def rotations(spec: KVCacheSpec, head_dim: int) -> tuple[int | None, int | None]:
+    """llama.cpp's Hadamard block sizes for (keys, values) of a quantized cache; None: no rotation."""
+    if spec.format == "fp8" or head_dim % 64:
+        return None, None
+    keys = 64
+    while head_dim % (2 * keys) == 0:
+        keys *= 2
+    return keys, 64
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The orthonormal Walsh-Hadamard matrix of size ``n`` (a power of two), Sylvester's order, as
+    llama.cpp builds it: symmetric, and its own inverse."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def _rotate(x: torch.Tensor, n: int) -> torch.Tensor:
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // n, n)
+    return (blocks @ hadamard(n)).reshape(x.shape)
 
 
 @contextmanager
@@ -72,7 +106,10 @@ def simulated_kv_cache(model: torch.nn.Module, spec: KVCacheSpec) -> Iterator[No
 
     def quantized_attention(module, query, key, value, *args, **kwargs):
         if id(module) in layers:
-            key, value = fake_quantize_kv(key, spec), fake_quantize_kv(value, spec)
+            k_rotation, v_rotation = rotations(spec, key.shape[-1])
+            key, value = fake_quantize_kv(key, spec, k_rotation), fake_quantize_kv(value, spec, v_rotation)
+            if spec.format != "fp8":  # llama.cpp's dot products with q8_0/q4_0 keys take q8_0 queries
+                query = fake_quantize_kv(query, KVCacheSpec("int8"), k_rotation)
         return attention(module, query, key, value, *args, **kwargs)
 
     ALL_ATTENTION_FUNCTIONS[implementation] = quantized_attention

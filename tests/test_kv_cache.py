@@ -39,3 +39,23 @@ def test_only_the_wrapped_model_reads_a_quantized_cache():
         after = quantized(ids).logits
     assert (inside - before).abs().max() > 1e-2  # 4-bit keys and values move the logits
     assert torch.equal(other, before) and torch.equal(after, before)  # the other model, and afterwards: untouched
+
+
+def test_llama_cpp_rotates_quantized_caches_by_hadamard_blocks():
+    from quant.kv_cache import hadamard, rotations
+
+    h = hadamard(64)
+    torch.testing.assert_close(h @ h, torch.eye(64), rtol=0, atol=1e-6)  # orthonormal and symmetric: its own inverse
+    assert set(torch.unique(h * 8).tolist()) == {-1.0, 1.0}
+    # keys: the largest power of two dividing the head size; values: 64; none below 64 or for fp8
+    assert rotations(KVCacheSpec("int4"), 128) == (128, 64)
+    assert rotations(KVCacheSpec("int8"), 192) == (64, 64)
+    assert rotations(KVCacheSpec("int4"), 96) == (None, None)
+    assert rotations(KVCacheSpec("fp8"), 128) == (None, None)
+    # a rotated cache quantizes H·x and hands back H·deq(q(H·x)): an outlier channel no longer
+    # takes a whole block's range, so the error is smaller
+    keys = torch.randn(512, 64, generator=torch.Generator().manual_seed(1))
+    keys[:, 3] *= 30
+    plain = (fake_quantize_kv(keys, KVCacheSpec("int4")) - keys).square().mean()
+    rotated = (fake_quantize_kv(keys, KVCacheSpec("int4"), rotation=64) - keys).square().mean()
+    assert rotated < 0.5 * plain

@@ -109,3 +109,28 @@ def test_our_q4_k_m_has_the_perplexity_of_llama_cpps_own(tmp_path, windows):
     assert ppl_ours == ppl_theirs
     text = ours_llm.create_completion("Anne Elliot", max_tokens=12, temperature=0.0)["choices"][0]["text"]
     assert len(text.split()) >= 3
+
+
+@pytest.mark.parametrize("fmt, ggml_type", [("int8", 8), ("int4", 2)])
+def test_simulated_kv_cache_predicts_llama_cpps_quantized_cache(small_run, hf, windows, fmt, ggml_type):
+    """The recipe's kv_cache simulation against llama.cpp running the F16 file with that cache type
+    (-ctk/-ctv q8_0 or q4_0, flash attention, its Hadamard rotation on): q8_0 costs next to nothing
+    in both; q4_0's perplexity increase agrees within a factor of 2."""
+    from quant.kv_cache import KVCacheSpec, simulated_kv_cache
+
+    out, _ = small_run
+    _, model = hf
+    sample = windows[:8]
+    plain = llama_cpp.Llama(model_path=str(out / "f16" / "tiny-F16.gguf"), n_ctx=WINDOW, n_batch=WINDOW, logits_all=True,
+                            verbose=False, n_threads=2, seed=0, flash_attn=True)
+    cached = llama_cpp.Llama(model_path=str(out / "f16" / "tiny-F16.gguf"), n_ctx=WINDOW, n_batch=WINDOW, logits_all=True,
+                             verbose=False, n_threads=2, seed=0, flash_attn=True, type_k=ggml_type, type_v=ggml_type)
+    theirs = perplexity(lambda w: llama_logprobs(cached, w), sample) / perplexity(lambda w: llama_logprobs(plain, w), sample) - 1
+    reference = perplexity(lambda w: hf_logprobs(model, w), sample)
+    with simulated_kv_cache(model, KVCacheSpec(fmt)):
+        ours = perplexity(lambda w: hf_logprobs(model, w), sample) / reference - 1
+    print(f"{fmt} KV cache, {len(sample)} windows: perplexity {100 * theirs:+.3f}% in llama.cpp, {100 * ours:+.3f}% simulated")
+    if fmt == "int8":
+        assert abs(theirs) < 0.001 and abs(ours) < 0.001
+    else:
+        assert theirs > 0.003 and 0.5 < ours / theirs < 2
