@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from formats.hf import HFCheckpoint, is_linear_weight
+from formats.hf import HFCheckpoint
 from formats.packing import pack_codes
-from formats.quantized_folder import Planned, QuantizedFolderWriter
+from formats.quantized_folder import Planned, QuantizedFolderWriter, unquantized_linears
 from quant.types import InputError, QuantizedTensor, QuantSpec
 
 _ORDER = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])
@@ -48,13 +48,8 @@ class AWQWriter(QuantizedFolderWriter):
     export = "awq"
 
     def __init__(self, dest: Path, source: HFCheckpoint, names: list[str], quantized: set[str], spec: QuantSpec):
-        try:
-            check_spec(spec)
-        except ValueError as e:
-            raise InputError(f"awq export: no layout holds {e}") from None
-        self.spec = spec
-        linears = [n.removesuffix(".weight") for n in names if is_linear_weight(n, tuple(source.shape(n)))]
-        unconverted = [m for m in linears if f"{m}.weight" not in quantized]
+        self._accept(spec, check_spec)
+        unconverted = unquantized_linears(source, names, quantized)
         quantization = {"quant_method": "awq", "bits": 4, "group_size": spec.group_size, "zero_point": True,
                         "version": "gemm", "modules_to_not_convert": unconverted or None}
         self._open(dest, source, names, quantized, quantization)

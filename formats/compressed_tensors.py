@@ -32,11 +32,11 @@ from pathlib import Path
 
 import torch
 
-from formats.hf import HFCheckpoint, is_linear_weight
+from formats.hf import HFCheckpoint
 from formats.packing import pack_codes
-from formats.quantized_folder import Planned, QuantizedFolderWriter
+from formats.quantized_folder import Planned, QuantizedFolderWriter, unquantized_linears
 from quant.activations import ActivationSpec
-from quant.types import InputError, QuantizedTensor, QuantSpec
+from quant.types import QuantizedTensor, QuantSpec
 
 
 def layout(spec: QuantSpec, activations: ActivationSpec | None = None) -> str:
@@ -68,13 +68,9 @@ class CompressedTensorsWriter(QuantizedFolderWriter):
 
     def __init__(self, dest: Path, source: HFCheckpoint, names: list[str], quantized: set[str], spec: QuantSpec,
                  activations: ActivationSpec | None = None, act_order: bool = False):
-        try:
-            self.format = layout(spec, activations)
-        except ValueError as e:
-            raise InputError(f"compressed-tensors export: no format holds {e}") from None
-        self.spec = spec
-        linears = [n.removesuffix(".weight") for n in names if is_linear_weight(n, tuple(source.shape(n)))]
-        ignore = ["lm_head"] + [m for m in linears if f"{m}.weight" not in quantized]
+        self._accept(spec, lambda s: layout(s, activations))
+        self.format = layout(spec, activations)
+        ignore = ["lm_head"] + unquantized_linears(source, names, quantized)
         self._open(dest, source, names, quantized, self._quantization_config(activations, act_order, ignore))
 
     def _scale_shape(self, shape: tuple[int, int]) -> tuple[int, ...]:

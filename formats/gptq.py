@@ -27,7 +27,7 @@ import torch
 from formats.hf import HFCheckpoint
 from formats.packing import pack_codes
 from formats.quantized_folder import Planned, QuantizedFolderWriter
-from quant.types import InputError, QuantizedTensor, QuantSpec
+from quant.types import QuantizedTensor, QuantSpec
 
 BITS = (2, 3, 4, 8)
 
@@ -49,11 +49,7 @@ class GPTQWriter(QuantizedFolderWriter):
 
     def __init__(self, dest: Path, source: HFCheckpoint, names: list[str], quantized: set[str], spec: QuantSpec,
                  act_order: bool = False, settings: dict | None = None):
-        try:
-            check_spec(spec)
-        except ValueError as e:
-            raise InputError(f"gptq export: no layout holds {e}") from None
-        self.spec = spec
+        self._accept(spec, check_spec)
         self.group_size = spec.group_size if spec.granularity == "group" else None
         quantization = {
             "quant_method": "gptq", "bits": spec.bits, "group_size": self.group_size or -1, "desc_act": act_order,

@@ -5,25 +5,42 @@ tensor as float16, streamed in checkpoint order."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from formats.hf import HFCheckpoint, SafetensorsFolderWriter, export_config
-from quant.types import InputError, QuantizedTensor, TensorPayload
+from formats.hf import HFCheckpoint, SafetensorsFolderWriter, export_config, is_linear_weight
+from quant.types import InputError, QuantizedTensor, QuantSpec, TensorPayload
 
 Planned = list[tuple[str, torch.dtype, tuple[int, ...]]]
+
+
+def unquantized_linears(source: HFCheckpoint, names: list[str], quantized: set[str]) -> list[str]:
+    """The decoder Linear modules a variant leaves in 16 bits, which a config must name so that
+    loaders do not look for codes there."""
+    linears = [n.removesuffix(".weight") for n in names if is_linear_weight(n, tuple(source.shape(n)))]
+    return [m for m in linears if f"{m}.weight" not in quantized]
 
 
 class QuantizedFolderWriter:
     """Subclasses set what ``stored`` and ``encode`` read, then call ``_open``.
 
     ``stored(module, shape)`` lists the tensors one quantized ``[out, in]`` weight becomes (name,
-    dtype, shape); ``encode(payload)`` makes them, in the same order. Float tensors are float16,
-    the dtype of the integer scales, and the config says so.
+    dtype, shape); ``encode(payload)`` makes them, in the same order. The other tensors are
+    ``float_dtype`` (float16 by default, the dtype of integer scales), and the config says so.
     """
 
     export = "quantized"  # the export's name in messages
     holds_group_index = False  # whether act-order groups (GPTQ's g_idx) have a form in this format
+    float_dtype = torch.float16
+
+    def _accept(self, spec: QuantSpec, check: Callable[[QuantSpec], object]) -> None:
+        """Keep ``spec`` if ``check`` (which raises ValueError saying why not) accepts it."""
+        try:
+            check(spec)
+        except ValueError as e:
+            raise InputError(f"{self.export} export: no layout holds {e}") from None
+        self.spec = spec
 
     def _open(self, dest: Path, source: HFCheckpoint, names: list[str], quantized: set[str],
               quantization_config: dict) -> None:
@@ -31,8 +48,8 @@ class QuantizedFolderWriter:
         plan: Planned = []
         for name in names:
             shape = tuple(source.shape(name))
-            plan += self.stored(name.removesuffix(".weight"), shape) if name in quantized else [(name, torch.float16, shape)]
-        config = export_config(source, torch.float16)
+            plan += self.stored(name.removesuffix(".weight"), shape) if name in quantized else [(name, self.float_dtype, shape)]
+        config = export_config(source, self.float_dtype)
         config["quantization_config"] = quantization_config
         self._folder = SafetensorsFolderWriter(dest, plan, config, source)
 
@@ -59,9 +76,9 @@ class QuantizedFolderWriter:
             return
         if not isinstance(payload, torch.Tensor):
             raise InputError(f"{self.export} export: tensor '{name}' is quantized but not a Linear weight the variant targets")
-        if payload.is_floating_point() and payload.abs().max() > torch.finfo(torch.float16).max:
-            raise InputError(f"{self.export} export: tensor '{name}' exceeds the float16 range")
-        self._folder.write(name, payload.to(torch.float16))
+        if payload.is_floating_point() and payload.abs().max() > torch.finfo(self.float_dtype).max:
+            raise InputError(f"{self.export} export: tensor '{name}' exceeds the {self.float_dtype} range")
+        self._folder.write(name, payload.to(self.float_dtype))
 
     def finish(self) -> Path:
         return self._folder.finish()

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic_core import PydanticCustomError
 
 from formats.awq import check_spec as awq_check_spec
+from formats.bitsandbytes import check_spec as bnb_check_spec
 from formats.compressed_tensors import layout as compressed_tensors_layout
 from formats.gptq import check_spec as gptq_check_spec
 from quant.ggml import FILE_TYPES
@@ -195,7 +196,7 @@ class Variant(_Strict):
     weights: Annotated[Union[RTNWeights, GPTQWeights, AWQWeights, GGUFWeights, SourceWeights], Field(discriminator="method")]
     activations: Activations | None = None
     kv_cache: KVCache | None = None
-    exports: list[Literal["safetensors", "gguf", "compressed-tensors", "gptq", "awq"]] = []
+    exports: list[Literal["safetensors", "gguf", "compressed-tensors", "gptq", "awq", "bitsandbytes"]] = []
 
     @property
     def needs_calibration(self) -> bool:
@@ -211,7 +212,7 @@ class Variant(_Strict):
 
     @model_validator(mode="after")
     def _quantized_exports_hold_the_weights(self) -> "Variant":
-        for export in ("compressed-tensors", "gptq", "awq"):
+        for export in ("compressed-tensors", "gptq", "awq", "bitsandbytes"):
             if export not in self.exports:
                 continue
             if self.weights.method not in ("rtn", "gptq", "awq"):
@@ -219,10 +220,10 @@ class Variant(_Strict):
             if getattr(self.weights, "outliers", None) is not None:
                 raise ValueError(f"a {export} export cannot hold outlier columns kept in 16 bits")
             try:
-                if export in ("gptq", "awq"):
-                    (gptq_check_spec if export == "gptq" else awq_check_spec)(self.weights.spec)
+                if export in ("gptq", "awq", "bitsandbytes"):
+                    {"gptq": gptq_check_spec, "awq": awq_check_spec, "bitsandbytes": bnb_check_spec}[export](self.weights.spec)
                     if self.activations is not None:
-                        raise ValueError(f"quantized activations ({export.upper()} checkpoints are weight-only)")
+                        raise ValueError(f"quantized activations ({export} checkpoints are weight-only)")
                     if export == "awq" and getattr(self.weights, "act_order", False) and not self.weights.static_groups:
                         raise ValueError("act-order groups (g_idx; use static_groups: true, or the gptq export)")
                 else:

@@ -15,6 +15,7 @@ import torch
 from rich.progress import Progress
 
 from formats.awq import AWQWriter
+from formats.bitsandbytes import BitsAndBytesWriter
 from formats.compressed_tensors import CompressedTensorsWriter
 from formats.gguf import GGUFFileWriter, architecture_of, check_shapes, gguf_name, gguf_order
 from formats.gptq import GPTQWriter
@@ -126,6 +127,8 @@ def build_variant(
         writers.append(GPTQWriter(vdir / "gptq", ckpt, plan.names, plan.quantized, weights.spec, act_order, settings))
     if "awq" in variant.exports:
         writers.append(AWQWriter(vdir / "awq", ckpt, plan.names, plan.quantized, variant.weights.spec))
+    if "bitsandbytes" in variant.exports:
+        writers.append(BitsAndBytesWriter(vdir / "bitsandbytes", ckpt, plan.names, plan.quantized, variant.weights.spec))
     if "gguf" in variant.exports:
         file_type = variant.weights.type
         dest = gguf_path or vdir / f"{ckpt.path.name}-{file_type}.gguf"
