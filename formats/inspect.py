@@ -11,9 +11,11 @@ from formats.hf import read_safetensors_header
 from quant.types import InputError
 
 
-# In a quantized checkpoint (GPTQ, AWQ, compressed-tensors), the tensors that describe a quantized
-# weight (scales, zero-points, group maps, shapes) rather than hold weights of their own.
-_AUXILIARY = (".qzeros", ".scales", ".g_idx", ".weight_scale", ".weight_zero_point", ".weight_shape", ".weight_g_idx")
+# In a quantized checkpoint (GPTQ, AWQ, compressed-tensors, bitsandbytes), the tensors that describe
+# a quantized weight (scales, zero-points, group maps, shapes, code tables) rather than hold weights.
+_AUXILIARY = (".qzeros", ".scales", ".g_idx", ".weight_scale", ".weight_zero_point", ".weight_shape", ".weight_g_idx",
+              ".weight.absmax", ".weight.quant_map", ".weight.quant_state.bitsandbytes__nf4",
+              ".weight.quant_state.bitsandbytes__fp4")
 
 
 @dataclass
@@ -84,6 +86,8 @@ def _inspect_safetensors(path: Path) -> FileSummary:
             weights = 0
         elif bits and name.endswith((".qweight", ".weight_packed")):  # int32 words of packed codes
             weights = int(np.prod(shape)) * 32 // bits
+        elif bits and info["dtype"] == "U8" and name.endswith(".weight"):  # bitsandbytes: two 4-bit codes a byte
+            weights = int(np.prod(shape)) * 8 // bits
         tensors.append(TensorEntry(name, info["dtype"], shape, info["data_offsets"][1] - info["data_offsets"][0], weights))
     return FileSummary(path, "safetensors", {k: str(v) for k, v in meta.items()}, tensors, scheme)
 
@@ -100,6 +104,8 @@ def _quantization(path: Path) -> tuple[str | None, int | None]:
     if method in ("gptq", "awq"):
         group = config.get("group_size", -1)
         return f"{method} int{config.get('bits')} {'channel' if group == -1 else f'g{group}'}", config.get("bits")
+    if method == "bitsandbytes" and config.get("load_in_4bit"):
+        return f"bitsandbytes {config.get('bnb_4bit_quant_type')}", 4
     if method == "compressed-tensors":
         weights = next(iter(config.get("config_groups", {}).values()), {}).get("weights") or {}
         bits = weights.get("num_bits")

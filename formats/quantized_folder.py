@@ -1,11 +1,11 @@
-"""The part every quantized-checkpoint writer shares (GPTQ, AWQ, compressed-tensors): a folder
-transformers can open, each quantized Linear weight stored as its format's tensors, every other
-tensor as float16, streamed in checkpoint order."""
+"""The part every quantized-checkpoint writer shares (GPTQ, AWQ, compressed-tensors, bitsandbytes):
+a folder transformers can open, each quantized Linear weight stored as its format's tensors, every
+other tensor in one float dtype, streamed in checkpoint order."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
@@ -13,6 +13,7 @@ from formats.hf import HFCheckpoint, SafetensorsFolderWriter, export_config, is_
 from quant.types import InputError, QuantizedTensor, QuantSpec, TensorPayload
 
 Planned = list[tuple[str, torch.dtype, tuple[int, ...]]]
+T = TypeVar("T")
 
 
 def unquantized_linears(source: HFCheckpoint, names: list[str], quantized: set[str]) -> list[str]:
@@ -34,13 +35,15 @@ class QuantizedFolderWriter:
     holds_group_index = False  # whether act-order groups (GPTQ's g_idx) have a form in this format
     float_dtype = torch.float16
 
-    def _accept(self, spec: QuantSpec, check: Callable[[QuantSpec], object]) -> None:
-        """Keep ``spec`` if ``check`` (which raises ValueError saying why not) accepts it."""
+    def _accept(self, spec: QuantSpec, check: Callable[[QuantSpec], T]) -> T:
+        """Keep ``spec`` if ``check`` (which raises ValueError saying why not) accepts it; returns
+        what ``check`` returns."""
         try:
-            check(spec)
+            result = check(spec)
         except ValueError as e:
             raise InputError(f"{self.export} export: no layout holds {e}") from None
         self.spec = spec
+        return result
 
     def _open(self, dest: Path, source: HFCheckpoint, names: list[str], quantized: set[str],
               quantization_config: dict) -> None:

@@ -25,7 +25,7 @@ from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_
 from quant.activations import simulated_activations
 from quant.kv_cache import simulated_kv_cache
 from recipes.importance import model_imatrix
-from recipes.resume import ORIGINAL, RECORD, Keys, finished, record
+from recipes.resume import ORIGINAL, RECORD, Keys, finished, path_size, record
 from recipes.schema import AWQWeights, Calibration, GPTQWeights, Recipe, RTNWeights, SourceWeights, Variant
 from recipes.variants import activation_modules, build_variant, plan_variant
 
@@ -158,8 +158,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _file_entry(path: Path, out_dir: Path) -> dict:
-    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
-    return {"path": str(path.relative_to(out_dir)), "bytes": size}
+    return {"path": str(path.relative_to(out_dir)), "bytes": path_size(path)}
 
 
 def progress_bar(console: Console) -> Progress:

@@ -62,7 +62,7 @@ def finished(path: Path, key: str, out_dir: Path) -> VariantRow | None:
         return None
     for f in row.files:
         target = out_dir / f["path"]
-        if not target.exists() or _size(target) != f["bytes"]:
+        if not target.exists() or path_size(target) != f["bytes"]:
             return None
     return row
 
@@ -87,5 +87,6 @@ def _digest(inputs: dict) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _size(path: Path) -> int:
+def path_size(path: Path) -> int:
+    """Bytes of a file, or of every file under a folder (an export may be either)."""
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from conftest import SMALL_RECIPE, TINY, write_recipe
 from formats.hf import HFCheckpoint
+from formats.inspect import inspect_file
 from quant.types import InputError
 from recipes.schema import Variant, load_recipe
 from recipes.variants import build_variant
@@ -22,9 +23,12 @@ def test_export_is_what_transformers_writes_with_bitsandbytes(tmp_path, fmt):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     weights = {"method": "rtn", "format": fmt, "granularity": "group", "group_size": 64}
-    build_variant(HFCheckpoint.open(TINY), Variant.model_validate({"name": "v", "weights": weights, "exports": ["bitsandbytes"]}),
-                  tmp_path, keep_weights=False)
+    built = build_variant(HFCheckpoint.open(TINY), Variant.model_validate({"name": "v", "weights": weights, "exports": ["bitsandbytes"]}),
+                          tmp_path, keep_weights=False)
     folder = tmp_path / "v" / "bitsandbytes"
+    summary = inspect_file(folder / "model.safetensors")  # two codes a byte, absmax and tables as cost
+    assert summary.quantization == f"bitsandbytes {fmt}"
+    assert summary.bits_per_weight == pytest.approx(built.bits_per_weight, rel=0.002)
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=fmt, bnb_4bit_compute_dtype=torch.bfloat16)
     theirs_model = AutoModelForCausalLM.from_pretrained(TINY, quantization_config=config, device_map="cpu")
     theirs_model.save_pretrained(tmp_path / "theirs")
