@@ -74,6 +74,14 @@ def architecture_of(ckpt: HFCheckpoint) -> str:
     return SUPPORTED_ARCHITECTURES[model_type]
 
 
+def interleaves_rope_pairs(config: dict) -> bool:
+    """Whether llama.cpp keeps each attention head's query/key channels with rotary pairs side by
+    side (its "normal" rope, for the llama architecture), where transformers keeps the two halves
+    apart: our converter then permutes the q/k rows, and a quantized KV cache sees its blocks of
+    keys in that order."""
+    return SUPPORTED_ARCHITECTURES.get(config.get("model_type")) == "llama"
+
+
 def check_shapes(ckpt: HFCheckpoint) -> None:
     """Refuse a checkpoint whose tensors disagree with its config.json: llama.cpp would reject the
     file at load time, long after the conversion, with a less helpful message."""
@@ -137,7 +145,7 @@ class GGUFFileWriter:
             raise RuntimeError(f"tensor '{hf_name}' arrived out of plan order (expected '{self._order[self._next]}')")
         self._next += 1
         raw = payload.raw
-        if hf_name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")) and self.arch == "llama":
+        if hf_name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")) and interleaves_rope_pairs(self.config):
             heads = self.config["num_attention_heads"]
             if ".k_proj." in hf_name:
                 heads = self.config.get("num_key_value_heads", heads)

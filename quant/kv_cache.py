@@ -12,7 +12,9 @@ ones ``quantize fit --kv-cache`` sizes:
   output to match), which spreads outlier channels over the block: keys in blocks of the largest
   power of two dividing the head size, values in blocks of 64, when the head size is a multiple
   of 64. Attention is unchanged by the rotation itself, so the simulation quantizes in the rotated
-  space and rotates back.
+  space and rotates back. llama.cpp also quantizes the queries to q8_0 for its dot products with
+  quantized keys, and for Llama models keeps each head's channels in another order than
+  transformers (rotary pairs side by side), which decides what shares a block.
 - ``fp8``: vLLM's ``fp8_e4m3`` cache as it runs without calibrated scales: each value saturated to
   ±448 and rounded to e4m3 (scale 1), so a model whose keys exceed 448 shows it.
 
@@ -76,6 +78,19 @@ def rotations(spec: KVCacheSpec, head_dim: int) -> tuple[int | None, int | None]
     return keys, 64
 
 
+def _pairs_side_by_side(head_dim: int) -> torch.Tensor:
+    """Channel order [0, d/2, 1, d/2 + 1, ...]: each rotary pair of a rotate-half head together."""
+    half = torch.arange(head_dim // 2)
+    return torch.stack([half, half + head_dim // 2], 1).reshape(-1)
+
+
+def _in_order(x: torch.Tensor, order: torch.Tensor | None, spec: KVCacheSpec, rotation: int | None) -> torch.Tensor:
+    """``fake_quantize_kv`` with the head's channels in ``order`` (None: as they are)."""
+    if order is None:
+        return fake_quantize_kv(x, spec, rotation)
+    return fake_quantize_kv(x[..., order], spec, rotation)[..., torch.argsort(order)]
+
+
 def hadamard(n: int) -> torch.Tensor:
     """The orthonormal Walsh-Hadamard matrix of size ``n`` (a power of two), Sylvester's order, as
     llama.cpp builds it: symmetric, and its own inverse."""
@@ -91,11 +106,16 @@ def _rotate(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @contextmanager
-def simulated_kv_cache(model: torch.nn.Module, spec: KVCacheSpec) -> Iterator[None]:
+def simulated_kv_cache(model: torch.nn.Module, spec: KVCacheSpec, interleaved: bool = False) -> Iterator[None]:
     """Inside the block, every attention layer of ``model`` (a transformers model) reads its keys and
     values through the quantized cache; other models are untouched (transformers dispatches
     attention through one shared table, so the wrapper checks which model's layer calls it), and
-    the table is restored afterwards."""
+    the table is restored afterwards.
+
+    ``interleaved``: the engine keeps each head's query/key channels with rotary pairs side by side
+    (llama.cpp for Llama models; transformers keeps the halves apart). The blocks a cache quantizes
+    then hold other channels, which changes the error: keys and queries are quantized in that
+    order."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     implementation = model.config._attn_implementation
@@ -107,9 +127,10 @@ def simulated_kv_cache(model: torch.nn.Module, spec: KVCacheSpec) -> Iterator[No
     def quantized_attention(module, query, key, value, *args, **kwargs):
         if id(module) in layers:
             k_rotation, v_rotation = rotations(spec, key.shape[-1])
-            key, value = fake_quantize_kv(key, spec, k_rotation), fake_quantize_kv(value, spec, v_rotation)
+            order = _pairs_side_by_side(key.shape[-1]) if interleaved else None
+            key, value = _in_order(key, order, spec, k_rotation), fake_quantize_kv(value, spec, v_rotation)
             if spec.format != "fp8":  # llama.cpp's dot products with q8_0/q4_0 keys take q8_0 queries
-                query = fake_quantize_kv(query, KVCacheSpec("int8"), k_rotation)
+                query = _in_order(query, order, KVCacheSpec("int8"), k_rotation)
         return attention(module, query, key, value, *args, **kwargs)
 
     ALL_ATTENTION_FUNCTIONS[implementation] = quantized_attention

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from calib.text import sample_windows, token_windows
 from evalsuite.metrics import causal_lm_logprobs, score
 from evalsuite.report import Report, VariantRow, write_report
+from formats.gguf import interleaves_rope_pairs
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
 from quant.activations import simulated_activations
 from quant.kv_cache import simulated_kv_cache
@@ -114,7 +115,7 @@ def _kv_cache(model: torch.nn.Module, variant: Variant) -> AbstractContextManage
     """Inside, the model's attention reads its keys and values through the variant's KV cache."""
     if variant.kv_cache is None:
         return nullcontext()
-    return simulated_kv_cache(model, variant.kv_cache.spec)
+    return simulated_kv_cache(model, variant.kv_cache.spec, interleaves_rope_pairs(model.config.to_dict()))
 
 
 def _describe(variant: Variant) -> str:

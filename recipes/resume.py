@@ -3,7 +3,8 @@
 A finished variant leaves ``<out>/<variant>/.done.json``: its report row and a key over everything
 that decided it: its entry in the recipe, the model folder (config.json, and the name, size and
 modification time of every file in it, which covers weights and tokenizer), the evaluation text and
-settings, and, for calibrated variants, the calibration text and settings. A rerun into the same
+settings, for calibrated variants the calibration text and settings, and quantbench's own source
+(so an upgrade, or a fix, redoes what it may have changed). A rerun into the same
 output folder takes the row of every variant whose key matches and whose files are all still there
 at their recorded sizes; the others are built and scored again. The original's row is kept the same
 way (``<out>/.original.json``), so a rerun with nothing to do loads no model at all. To redo a
@@ -31,6 +32,7 @@ class Keys:
     def __init__(self, recipe: Recipe, ckpt: HFCheckpoint):
         ev = recipe.evaluation
         self._evaluation = {
+            "quantbench": _source_digest(),
             "model": {"config": ckpt.config, "files": _folder_stat(ckpt.path)},
             "evaluation": {"text": _sha256(ev.text), "window": ev.window, "max_windows": ev.max_windows},
         }
@@ -73,6 +75,22 @@ def record(path: Path, key: str, row: VariantRow) -> None:
     tmp = path.with_name(path.name + ".partial")
     tmp.write_text(json.dumps({"key": key, "row": row.as_dict()}, indent=1) + "\n")
     tmp.rename(path)
+
+
+def _source_digest() -> str:
+    """A digest of the code that builds and scores variants."""
+    import calib
+    import evalsuite
+    import formats
+    import quant
+    import recipes
+
+    digest = hashlib.sha256()
+    for package in (calib, evalsuite, formats, quant, recipes):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root.parent)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def _folder_stat(folder: Path) -> dict[str, list[int]]:

@@ -59,3 +59,12 @@ def test_llama_cpp_rotates_quantized_caches_by_hadamard_blocks():
     plain = (fake_quantize_kv(keys, KVCacheSpec("int4")) - keys).square().mean()
     rotated = (fake_quantize_kv(keys, KVCacheSpec("int4"), rotation=64) - keys).square().mean()
     assert rotated < 0.5 * plain
+
+
+def test_llama_cpp_keeps_rotary_pairs_of_llama_heads_side_by_side():
+    from formats.gguf import interleaves_rope_pairs
+    from quant.kv_cache import _pairs_side_by_side
+
+    assert _pairs_side_by_side(8).tolist() == [0, 4, 1, 5, 2, 6, 3, 7]  # the order our GGUF converter permutes q/k rows into
+    assert interleaves_rope_pairs({"model_type": "llama"}) and interleaves_rope_pairs({"model_type": "mistral"})
+    assert not interleaves_rope_pairs({"model_type": "qwen2"})  # NEOX rope: llama.cpp keeps transformers' order

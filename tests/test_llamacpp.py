@@ -115,7 +115,7 @@ def test_our_q4_k_m_has_the_perplexity_of_llama_cpps_own(tmp_path, windows):
 def test_simulated_kv_cache_predicts_llama_cpps_quantized_cache(small_run, hf, windows, fmt, ggml_type):
     """The recipe's kv_cache simulation against llama.cpp running the F16 file with that cache type
     (-ctk/-ctv q8_0 or q4_0, flash attention, its Hadamard rotation on): q8_0 costs next to nothing
-    in both; q4_0's perplexity increase agrees within a factor of 2."""
+    in both; q4_0's perplexity increase agrees within 10%."""
     from quant.kv_cache import KVCacheSpec, simulated_kv_cache
 
     out, _ = small_run
@@ -127,10 +127,10 @@ def test_simulated_kv_cache_predicts_llama_cpps_quantized_cache(small_run, hf, w
                              verbose=False, n_threads=2, seed=0, flash_attn=True, type_k=ggml_type, type_v=ggml_type)
     theirs = perplexity(lambda w: llama_logprobs(cached, w), sample) / perplexity(lambda w: llama_logprobs(plain, w), sample) - 1
     reference = perplexity(lambda w: hf_logprobs(model, w), sample)
-    with simulated_kv_cache(model, KVCacheSpec(fmt)):
+    with simulated_kv_cache(model, KVCacheSpec(fmt), interleaved=True):  # llama: rotary pairs side by side
         ours = perplexity(lambda w: hf_logprobs(model, w), sample) / reference - 1
     print(f"{fmt} KV cache, {len(sample)} windows: perplexity {100 * theirs:+.3f}% in llama.cpp, {100 * ours:+.3f}% simulated")
     if fmt == "int8":
         assert abs(theirs) < 0.001 and abs(ours) < 0.001
     else:
-        assert theirs > 0.003 and 0.5 < ours / theirs < 2
+        assert theirs > 0.003 and abs(ours / theirs - 1) < 0.1

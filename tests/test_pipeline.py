@@ -220,3 +220,9 @@ def test_rerun_keeps_finished_variants_and_redoes_what_changed(tmp_path, monkeyp
     shutil.rmtree(out / "a" / "safetensors")
     run({"b": {"weights": {"method": "rtn", "bits": 4, "granularity": "group", "group_size": 128}}})
     assert built == ["a", "b", "b", "a"]
+    # and a change of quantbench's own code redoes everything
+    import recipes.resume as resume
+
+    monkeypatch.setattr(resume, "_source_digest", lambda: "another version")
+    run({"b": {"weights": {"method": "rtn", "bits": 4, "granularity": "group", "group_size": 128}}})
+    assert built == ["a", "b", "b", "a", "a", "b"]
