@@ -1,14 +1,17 @@
-"""The comparison report: one row per variant against the original, as JSON, Markdown and a table."""
+"""The comparison report: one row per variant against the original, as JSON, Markdown, an HTML page
+with a chart, and a table on the terminal."""
 
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import asdict, dataclass, field
+from html import escape
 from pathlib import Path
 
 from rich.table import Table
 
+from evalsuite.chart import size_fidelity_svg
 from evalsuite.metrics import Scores
 
 
@@ -47,10 +50,10 @@ class Report:
         }
 
 
-_COLUMNS = ("variant", "method", "bpw", "size MB", "PPL", "ΔPPL", "KLD", "top-1", "time s")
+COLUMNS = ("variant", "method", "bpw", "size MB", "PPL", "ΔPPL", "KLD", "top-1", "time s")
 
 
-def _cells(row: VariantRow) -> list[str]:
+def cells(row: VariantRow) -> list[str]:
     s = row.scores
     return [
         row.name,
@@ -72,10 +75,10 @@ def markdown(report: Report) -> str:
         f"Model: `{report.model}`  ",
         f"Evaluation: `{report.eval_text}`, {report.windows} windows of {report.window} tokens",
         "",
-        "| " + " | ".join(_COLUMNS) + " |",
-        "|" + "---|" * len(_COLUMNS),
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
     ]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in report.rows]
+    lines += ["| " + " | ".join(cells(r)) + " |" for r in report.rows]
     lines += [
         "",
         "PPL: perplexity on the evaluation text. KLD: mean KL divergence from the original model's "
@@ -116,19 +119,63 @@ def _outlier_section(row: VariantRow) -> list[str]:
     return lines
 
 
+def html(report: Report) -> str:
+    """One self-contained page: the table, the size/fidelity chart and the files. Well-formed XML,
+    so tools (and tests) can parse it; it opens offline and survives being mailed."""
+    rows = "\n".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in cells(r)) + "</tr>" for r in report.rows)
+    head = "".join(f"<th>{escape(c)}</th>" for c in COLUMNS)
+    files = "\n".join(f"<li><code>{escape(f['path'])}</code> ({f['bytes'] / 1e6:.2f} MB)</li>" for r in report.rows for f in r.files)
+    return f"""<!DOCTYPE html>
+<html xmlns="http://www.w3.org/1999/xhtml" lang="en">
+<head>
+<meta charset="utf-8" />
+<title>quantbench report: {escape(report.model)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
+table {{ border-collapse: collapse; }}
+th, td {{ border: 1px solid #ccc; padding: 4px 8px; text-align: right; }}
+th:nth-child(-n+2), td:nth-child(-n+2) {{ text-align: left; }}
+svg text {{ font-size: 12px; fill: #222; }}
+</style>
+</head>
+<body>
+<h1>quantbench report</h1>
+<p>Model: <code>{escape(report.model)}</code>. Evaluation: <code>{escape(report.eval_text)}</code>,
+{report.windows} windows of {report.window} tokens.</p>
+<table>
+<thead><tr>{head}</tr></thead>
+<tbody>
+{rows}
+</tbody>
+</table>
+<p>PPL: perplexity on the evaluation text. KLD: mean KL divergence from the original model's
+next-token distribution (nats per token). top-1: share of positions where the variant's most likely
+next token is the original's. bpw: bits per weight over all tensors.</p>
+<h2>Size against fidelity</h2>
+{size_fidelity_svg(report.rows)}
+<h2>Files</h2>
+<ul>
+{files}
+</ul>
+</body>
+</html>
+"""
+
+
 def table(report: Report) -> Table:
     t = Table(title=f"{report.model}: {report.windows} x {report.window} tokens of {Path(report.eval_text).name}")
-    for i, c in enumerate(_COLUMNS):
+    for i, c in enumerate(COLUMNS):
         t.add_column(c, justify="left" if i < 2 else "right")
     for r in report.rows:
-        t.add_row(*_cells(r))
+        t.add_row(*cells(r))
     return t
 
 
 def write_report(report: Report, out_dir: Path) -> None:
-    """Write report.json and report.md, each under a temporary name first."""
+    """Write report.json, report.md and report.html, each under a temporary name first."""
     _write_atomic(out_dir / "report.json", json.dumps(report.as_dict(), indent=2) + "\n")
     _write_atomic(out_dir / "report.md", markdown(report))
+    _write_atomic(out_dir / "report.html", html(report))
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -41,7 +41,7 @@ def run(
     out_dir = out or spec.output or Path("runs") / recipe.stem
     report = run_recipe(spec, out_dir, console)
     stdout.print(table(report))
-    stdout.print(f"Report: {out_dir / 'report.md'}  {out_dir / 'report.json'}")
+    stdout.print(f"Report: {out_dir / 'report.md'}  {out_dir / 'report.html'}  {out_dir / 'report.json'}")
 
 
 @app.command()

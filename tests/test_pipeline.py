@@ -226,3 +226,22 @@ def test_rerun_keeps_finished_variants_and_redoes_what_changed(tmp_path, monkeyp
     monkeypatch.setattr(resume, "_source_digest", lambda: "another version")
     run({"b": {"weights": {"method": "rtn", "bits": 4, "granularity": "group", "group_size": 128}}})
     assert built == ["a", "b", "b", "a", "a", "b"]
+
+
+def test_html_report_holds_the_table_and_a_point_per_variant(small_run):
+    import xml.etree.ElementTree as ET
+
+    out, report = small_run
+    page = (out / "report.html").read_text(encoding="utf-8")
+    assert page.startswith("<!DOCTYPE html>")
+    root = ET.fromstring(page.split("\n", 1)[1])  # well-formed: tools can read it
+    ns = {"h": "http://www.w3.org/1999/xhtml", "s": "http://www.w3.org/2000/svg"}
+    rows = root.findall(".//h:tbody/h:tr", ns)
+    assert [r.find("h:td", ns).text for r in rows] == [v["name"] for v in report["variants"]]
+    compared = [v for v in report["variants"] if v["kld"] is not None]
+    circles = root.findall(".//s:svg/s:circle", ns)
+    assert len(circles) == len(compared) == len(report["variants"]) - 1  # every variant but the original
+    # larger KLD sits higher on the chart (SVG y grows downwards); sizes run left to right
+    by_name = {c.find("s:title", ns).text.split(":")[0]: (float(c.get("cx")), float(c.get("cy"))) for c in circles}
+    assert by_name["int8"][1] > by_name["int4-g64-asym"][1]
+    assert by_name["q4_k_m-imatrix"][0] < by_name["f16"][0]
