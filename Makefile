@@ -27,7 +27,7 @@ demo: $(VENV)/.core
 # GPTQModel, the loader the GPTQ export tests read our files back with, pins numpy and lives in its
 # own venv (.anchors/gptqmodel; quick when it is already there).
 test: $(VENV)/.test
-	bench/anchors/setup.sh gptqmodel
+	bash bench/anchors/setup.sh gptqmodel
 	$(BIN)/python -m pytest tests
 
 clean:
