@@ -71,7 +71,8 @@ def gguf_model_shape(path: Path) -> ModelShape:
         head_dim=head_dim,
         max_context=int(field(f"{arch}.context_length", 0) or 0),
         expert_fraction=used / experts if experts else 1.0,
-        gguf_bytes={t.name: int(t.n_bytes) for t in reader.tensors},
+        stored_bytes={t.name: int(t.n_bytes) for t in reader.tensors},
+        stored_as="gguf file",
     )
 
 

@@ -107,7 +107,7 @@ ENGINES = {
 
 @dataclass(frozen=True)
 class FitQuery:
-    weights: str  # a WEIGHT_FORMATS name; ignored for a GGUF file, whose tensors are what they are
+    weights: str  # a WEIGHT_FORMATS name; ignored for a GGUF file or a quantized checkpoint, whose tensors are what they are
     group_size: int
     kv_cache: str
     context: int
@@ -119,8 +119,8 @@ class FitQuery:
 
 def weights_bytes(shape: ModelShape, fmt: str, group_size: int = 128) -> int:
     """Bytes of the model's weights in ``fmt`` (all GPUs together)."""
-    if shape.gguf_bytes is not None:
-        return sum(shape.gguf_bytes.values())
+    if shape.stored_bytes is not None:
+        return sum(shape.stored_bytes.values())
     key = fmt.lower()
     if key in _FLOAT_FORMATS:
         return sum(math.prod(s) * _FLOAT_FORMATS[key] for _, s in shape.tensors) // 8
@@ -151,7 +151,7 @@ def active_weights_bytes(shape: ModelShape, weights: int) -> float:
     """Weight bytes one token reads: a mixture of experts reads its routed experts only."""
     if shape.expert_fraction >= 1.0:
         return float(weights)
-    sizes = shape.gguf_bytes or {n: math.prod(s) for n, s in shape.tensors}
+    sizes = shape.stored_bytes or {n: math.prod(s) for n, s in shape.tensors}
     total = sum(sizes.values())
     expert = sum(v for n, v in sizes.items() if is_expert(n))
     return weights * (1.0 - expert / total * (1.0 - shape.expert_fraction))
@@ -225,7 +225,7 @@ def fit(shape: ModelShape, q: FitQuery, smallest: bool = True) -> FitResult:
     params = shape.parameters
     result = FitResult(
         model=shape.name, parameters=params,
-        weights_format="gguf file" if shape.gguf_bytes is not None else q.weights.lower(),
+        weights_format=shape.stored_as or q.weights.lower(),
         weights_bytes=weights, bits_per_weight=weights * 8 / params,
         kv_cache_dtype=q.kv_cache, kv_bytes_per_token=per_token, kv_bytes_per_sequence=per_sequence,
         kv_bytes_total=q.users * per_sequence, activation_bytes=activations, overhead_bytes=overhead,
@@ -282,7 +282,7 @@ def _needs(shape: ModelShape, q: FitQuery, users: int, context: int, tp: int) ->
 
 def _element(shape: ModelShape, q: FitQuery) -> int:
     """Bytes per activation value: float32 models compute in float32, everything else in 16-bit."""
-    return 4 if shape.gguf_bytes is None and q.weights.lower() == "fp32" else 2
+    return 4 if shape.stored_bytes is None and q.weights.lower() == "fp32" else 2
 
 
 def _batch_weights(shape: ModelShape, weights: int, active: float, users: int) -> float:

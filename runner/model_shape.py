@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from quant.types import InputError
@@ -52,7 +52,9 @@ class ModelShape:
     head_dim: int
     max_context: int
     expert_fraction: float  # share of the expert tensors one token reads (top-k / experts); 1 if dense
-    gguf_bytes: dict[str, int] | None = None  # a GGUF file's tensors: name -> bytes, exactly
+    # a file's tensors, name -> bytes, exactly: a GGUF file, or a quantized checkpoint folder
+    stored_bytes: dict[str, int] | None = None
+    stored_as: str | None = None  # what holds them: "gguf file", "gptq checkpoint", ...
 
     @property
     def parameters(self) -> int:
@@ -85,7 +87,17 @@ def load_model_shape(model: str) -> ModelShape:
         if not path.is_file():
             raise InputError(f"{model}: no config.json in this folder")
     if path.is_file():
-        return shape_from_config(_read_config(path), path.parent.name if path.name == "config.json" else path.stem)
+        config = _read_config(path)
+        shape = shape_from_config(config, path.parent.name if path.name == "config.json" else path.stem)
+        method = (config.get("quantization_config") or {}).get("quant_method")
+        files = sorted(path.parent.glob("*.safetensors")) if path.name == "config.json" else []
+        if method and files:  # a quantized checkpoint: its weights are what its files hold
+            from formats.hf import read_safetensors_header
+
+            stored = {name: info["data_offsets"][1] - info["data_offsets"][0]
+                      for f in files for name, info in read_safetensors_header(f).items()}
+            return replace(shape, stored_bytes=stored, stored_as=f"{method} checkpoint")
+        return shape
     if model in preset_names():
         return shape_from_config(_read_config(PRESETS / f"{model}.json"), model)
     raise InputError(f"{model}: not a preset, a model folder, a config.json or a GGUF file{suggest_names(model, preset_names())}")

@@ -80,6 +80,25 @@ def test_integer_weights_match_our_own_checkpoint_exports(tmp_path, fmt, export,
     assert weights_bytes(load_model_shape(str(TINY)), fmt, group_size=64) == written - shape_tensors
 
 
+@pytest.mark.parametrize("export", ["gptq", "awq", "compressed-tensors", "bitsandbytes"])
+def test_a_quantized_checkpoint_folder_counts_what_its_files_hold(tmp_path, export):
+    from formats.hf import read_safetensors_header
+    from recipes.schema import Variant
+
+    fmt = {"bitsandbytes": "nf4"}.get(export, "int")
+    weights = {"method": "rtn", "bits": 4, "format": fmt, "symmetric": export != "awq", "granularity": "group", "group_size": 64}
+    build_variant(HFCheckpoint.open(TINY), Variant.model_validate({"name": "v", "weights": weights, "exports": [export]}),
+                  tmp_path, keep_weights=False)
+    folder = tmp_path / "v" / export
+    header = read_safetensors_header(folder / "model.safetensors")
+    shape = load_model_shape(str(folder))
+    result = fit(shape, FitQuery("bf16", 128, "fp16", 2048, 1, resolve_gpu("l4"), 1, ENGINES["vllm"]), smallest=False)
+    # the weights option does not apply: the files say what they hold, byte for byte
+    assert result.weights_bytes == sum(t["data_offsets"][1] - t["data_offsets"][0] for t in header.values())
+    assert result.weights_format == f"{json.loads((folder / 'config.json').read_text())['quantization_config']['quant_method']} checkpoint"
+    assert result.bits_per_weight < 9  # about 4-bit decoder weights beside the 16-bit tied embedding
+
+
 def test_kv_cache_of_llama_3_1_8b_at_8192_tokens_is_one_gib():
     shape = load_model_shape("llama-3.1-8b")
     assert kv_bytes_per_token(shape, "fp16") == 32 * 2 * 8 * 128 * 2
