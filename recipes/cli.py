@@ -116,7 +116,7 @@ def fit(
     model: str = typer.Argument(..., help="A preset (e.g. llama-3.1-8b; --list shows them), a model folder or config.json, or a GGUF file."),
     weights: str = typer.Option("bf16", "--weights", "-w", help="fp32 bf16 fp16 fp8 int8 int4 gptq awq, or a GGUF file type (q4_k_m, q8_0, ...)."),
     group_size: int = typer.Option(128, "--group-size", help="Group size of int4, gptq and awq weights."),
-    kv_cache: str = typer.Option("fp16", "--kv-cache", help="KV-cache dtype: fp16 bf16 fp8 int8 int4."),
+    kv_cache: str = typer.Option("fp16", "--kv-cache", help="KV-cache dtype: fp16 bf16 fp32 fp8 int8 int4."),
     context: int = typer.Option(8192, "--context", "-c", help="Tokens per user (prompt and output)."),
     users: int = typer.Option(1, "--users", "-u", help="Concurrent sequences."),
     gpu: Optional[str] = typer.Option(None, "--gpu", help="A catalog GPU (e.g. a100-40gb, rtx-4090) or custom:MEM_GIB,BANDWIDTH_GBS; default h100-80gb (with --quantizing: this machine's RAM)."),
