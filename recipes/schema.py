@@ -7,7 +7,7 @@ names it, so a long batch job never dies half-way on a typo.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Callable, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -191,6 +191,24 @@ class Activations(_Strict):
         return ActivationSpec(self.format)
 
 
+def _weight_only(check: Callable[[QuantSpec], None]) -> Callable[[QuantSpec, ActivationSpec | None], None]:
+    def checked(spec: QuantSpec, activations: ActivationSpec | None) -> None:
+        check(spec)
+        if activations is not None:
+            raise ValueError("quantized activations (its checkpoints are weight-only)")
+    return checked
+
+
+# Checkpoint exports of integer or float codes: the check of their layout (ValueError saying why
+# not), and whether they hold GPTQ's act-order groups (g_idx).
+_QUANTIZED_EXPORTS = {
+    "compressed-tensors": (compressed_tensors_layout, False),  # compressed-tensors 0.20 dropped g_idx
+    "gptq": (_weight_only(gptq_check_spec), True),
+    "awq": (_weight_only(awq_check_spec), False),
+    "bitsandbytes": (_weight_only(bnb_check_spec), False),
+}
+
+
 class Variant(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)
     weights: Annotated[Union[RTNWeights, GPTQWeights, AWQWeights, GGUFWeights, SourceWeights], Field(discriminator="method")]
@@ -212,28 +230,23 @@ class Variant(_Strict):
 
     @model_validator(mode="after")
     def _quantized_exports_hold_the_weights(self) -> "Variant":
-        for export in ("compressed-tensors", "gptq", "awq", "bitsandbytes"):
-            if export not in self.exports:
+        w = self.weights
+        activations = self.activations.spec if self.activations else None
+        for export in self.exports:
+            if export not in _QUANTIZED_EXPORTS:
                 continue
-            if self.weights.method not in ("rtn", "gptq", "awq"):
-                raise ValueError(f"a {export} export needs rtn, gptq or awq weights, not {self.weights.method}")
-            if getattr(self.weights, "outliers", None) is not None:
+            check, holds_group_index = _QUANTIZED_EXPORTS[export]
+            if w.method not in ("rtn", "gptq", "awq"):
+                raise ValueError(f"a {export} export needs rtn, gptq or awq weights, not {w.method}")
+            if getattr(w, "outliers", None) is not None:
                 raise ValueError(f"a {export} export cannot hold outlier columns kept in 16 bits")
             try:
-                if export in ("gptq", "awq", "bitsandbytes"):
-                    {"gptq": gptq_check_spec, "awq": awq_check_spec, "bitsandbytes": bnb_check_spec}[export](self.weights.spec)
-                    if self.activations is not None:
-                        raise ValueError(f"quantized activations ({export} checkpoints are weight-only)")
-                    if export == "awq" and getattr(self.weights, "act_order", False) and not self.weights.static_groups:
-                        raise ValueError("act-order groups (g_idx; use static_groups: true, or the gptq export)")
-                else:
-                    compressed_tensors_layout(self.weights.spec, self.activations.spec if self.activations else None)
+                check(w.spec, activations)
             except ValueError as e:
                 raise ValueError(f"a {export} export cannot hold {e}") from None
-        if "compressed-tensors" in self.exports and getattr(self.weights, "act_order", False) \
-                and not self.weights.static_groups and self.weights.group_size:
-            raise ValueError("a compressed-tensors export cannot hold act-order groups (g_idx, removed in "
-                             "compressed-tensors 0.20); use static_groups: true, or the gptq export")
+            if getattr(w, "act_order", False) and not w.static_groups and w.group_size and not holds_group_index:
+                raise ValueError(f"a {export} export cannot hold GPTQ's act-order groups (g_idx); "
+                                 "use static_groups: true, or the gptq export")
         return self
 
     @model_validator(mode="after")

@@ -48,6 +48,7 @@ def test_export_is_what_transformers_writes_with_bitsandbytes(tmp_path, fmt):
     ({"method": "rtn", "bits": 4, "granularity": "group", "group_size": 64}, "bitsandbytes 4-bit holds nf4 and fp4"),
     ({"method": "rtn", "format": "nf4", "granularity": "channel"}, "bitsandbytes takes groups of"),
     ({"method": "rtn", "format": "nf4", "granularity": "group", "group_size": 48}, "bitsandbytes takes groups of"),
+    ({"method": "gptq", "bits": 4, "format": "nf4", "group_size": 64, "act_order": True}, "act-order groups"),
 ])
 def test_variants_a_bitsandbytes_file_cannot_hold_are_refused(tmp_path, weights, message):
     variant = {"name": "v", "weights": weights, "exports": ["bitsandbytes"]}

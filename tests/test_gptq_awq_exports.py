@@ -97,7 +97,7 @@ def test_gptqmodel_reads_our_awq_file_back_with_its_folded_norms(small_run):
     ("gptq", {"method": "rtn", "bits": 5, "granularity": "group", "group_size": 64}, None, "GPTQ holds int2, int3, int4 and int8"),
     ("gptq", {"method": "rtn", "format": "fp8_e4m3"}, None, "GPTQ holds int2, int3, int4 and int8"),
     ("gptq", {"method": "rtn", "bits": 4, "granularity": "tensor"}, None, "granularity 'tensor'"),
-    ("gptq", {"method": "rtn", "bits": 8}, {}, "gptq checkpoints are weight-only"),
+    ("gptq", {"method": "rtn", "bits": 8}, {}, "its checkpoints are weight-only"),
     ("awq", {"method": "rtn", "bits": 8}, None, "AWQ holds int4"),
     ("awq", {"method": "rtn", "bits": 4}, None, "granularity 'channel' \\(AWQ takes groups\\)"),
     ("awq", {"method": "gptq", "bits": 4, "act_order": True}, None, "act-order groups"),
