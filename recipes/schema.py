@@ -13,9 +13,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from formats.awq import AWQWriter
 from formats.awq import check_spec as awq_check_spec
+from formats.bitsandbytes import BitsAndBytesWriter
 from formats.bitsandbytes import check_spec as bnb_check_spec
+from formats.compressed_tensors import CompressedTensorsWriter
 from formats.compressed_tensors import layout as compressed_tensors_layout
+from formats.gptq import GPTQWriter
 from formats.gptq import check_spec as gptq_check_spec
 from quant.ggml import FILE_TYPES
 from quant.activations import ActivationSpec
@@ -200,12 +204,12 @@ def _weight_only(check: Callable[[QuantSpec], None]) -> Callable[[QuantSpec, Act
 
 
 # Checkpoint exports of integer or float codes: the check of their layout (ValueError saying why
-# not), and whether they hold GPTQ's act-order groups (g_idx).
+# not), and whether they hold GPTQ's act-order groups (g_idx), as their writers say.
 _QUANTIZED_EXPORTS = {
-    "compressed-tensors": (compressed_tensors_layout, False),  # compressed-tensors 0.20 dropped g_idx
-    "gptq": (_weight_only(gptq_check_spec), True),
-    "awq": (_weight_only(awq_check_spec), False),
-    "bitsandbytes": (_weight_only(bnb_check_spec), False),
+    "compressed-tensors": (compressed_tensors_layout, CompressedTensorsWriter.holds_group_index),
+    "gptq": (_weight_only(gptq_check_spec), GPTQWriter.holds_group_index),
+    "awq": (_weight_only(awq_check_spec), AWQWriter.holds_group_index),
+    "bitsandbytes": (_weight_only(bnb_check_spec), BitsAndBytesWriter.holds_group_index),
 }
 
 
