@@ -49,7 +49,7 @@ class AWQWriter(QuantizedFolderWriter):
 
     def __init__(self, dest: Path, source: HFCheckpoint, names: list[str], quantized: set[str], spec: QuantSpec):
         self._accept(spec, check_spec)
-        unconverted = unquantized_linears(source, names, quantized)
+        unconverted = unquantized_linears(source, quantized)
         quantization = {"quant_method": "awq", "bits": 4, "group_size": spec.group_size, "zero_point": True,
                         "version": "gemm", "modules_to_not_convert": unconverted or None}
         self._open(dest, source, names, quantized, quantization)

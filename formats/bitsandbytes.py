@@ -46,7 +46,7 @@ class BitsAndBytesWriter(QuantizedFolderWriter):
     def __init__(self, dest: Path, source: HFCheckpoint, names: list[str], quantized: set[str], spec: QuantSpec):
         self._accept(spec, check_spec)
         self.float_dtype = Counter(source.dtype(n) for n in names if source.dtype(n).is_floating_point).most_common(1)[0][0]
-        skipped = ["lm_head"] + unquantized_linears(source, names, quantized)
+        skipped = ["lm_head"] + unquantized_linears(source, quantized)
         quantization = {
             "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
             "bnb_4bit_quant_type": spec.format, "bnb_4bit_use_double_quant": False,

@@ -69,7 +69,7 @@ class CompressedTensorsWriter(QuantizedFolderWriter):
     def __init__(self, dest: Path, source: HFCheckpoint, names: list[str], quantized: set[str], spec: QuantSpec,
                  activations: ActivationSpec | None = None, act_order: bool = False):
         self.format = self._accept(spec, lambda s: layout(s, activations))
-        ignore = ["lm_head"] + unquantized_linears(source, names, quantized)
+        ignore = ["lm_head"] + unquantized_linears(source, quantized)
         self._open(dest, source, names, quantized, self._quantization_config(activations, act_order, ignore))
 
     def _scale_shape(self, shape: tuple[int, int]) -> tuple[int, ...]:

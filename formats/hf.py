@@ -135,6 +135,11 @@ class HFCheckpoint:
         return torch.frombuffer(data, dtype=dtype).reshape(info["shape"])
 
     @property
+    def linear_modules(self) -> list[str]:
+        """The decoder's Linear modules (``is_linear_weight``), by module name, in checkpoint order."""
+        return [n.removesuffix(".weight") for n in self.names if is_linear_weight(n, self.shape(n))]
+
+    @property
     def architecture(self) -> str:
         archs = self.config.get("architectures") or ["?"]
         return archs[0]

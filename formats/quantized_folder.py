@@ -9,18 +9,17 @@ from typing import Callable, TypeVar
 
 import torch
 
-from formats.hf import HFCheckpoint, SafetensorsFolderWriter, export_config, is_linear_weight
+from formats.hf import HFCheckpoint, SafetensorsFolderWriter, export_config
 from quant.types import InputError, QuantizedTensor, QuantSpec, TensorPayload
 
 Planned = list[tuple[str, torch.dtype, tuple[int, ...]]]
 T = TypeVar("T")
 
 
-def unquantized_linears(source: HFCheckpoint, names: list[str], quantized: set[str]) -> list[str]:
+def unquantized_linears(source: HFCheckpoint, quantized: set[str]) -> list[str]:
     """The decoder Linear modules a variant leaves in 16 bits, which a config must name so that
     loaders do not look for codes there."""
-    linears = [n.removesuffix(".weight") for n in names if is_linear_weight(n, tuple(source.shape(n)))]
-    return [m for m in linears if f"{m}.weight" not in quantized]
+    return [m for m in source.linear_modules if f"{m}.weight" not in quantized]
 
 
 class QuantizedFolderWriter:

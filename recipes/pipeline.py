@@ -81,7 +81,7 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
             model = model_from_state(reference_model.config, built.state)
             bits, files, statistics = built.bits_per_weight, built.files, built.input_statistics
             del built
-            with _activations(model, ckpt, variant), _kv_cache(model, variant):
+            with _activations(model, ckpt, variant), _kv_cache(model, ckpt, variant):
                 scores = _tracked(progress, f"{variant.name}: evaluate", len(windows),
                                   lambda tick: score(causal_lm_logprobs(model), windows, reference, on_window=tick))
             del model
@@ -111,11 +111,11 @@ def _activations(model: torch.nn.Module, ckpt: HFCheckpoint, variant: Variant) -
     return simulated_activations(model, variant.activations.spec, activation_modules(ckpt, variant))
 
 
-def _kv_cache(model: torch.nn.Module, variant: Variant) -> AbstractContextManager[None]:
+def _kv_cache(model: torch.nn.Module, ckpt: HFCheckpoint, variant: Variant) -> AbstractContextManager[None]:
     """Inside, the model's attention reads its keys and values through the variant's KV cache."""
     if variant.kv_cache is None:
         return nullcontext()
-    return simulated_kv_cache(model, variant.kv_cache.spec, interleaves_rope_pairs(model.config.to_dict()))
+    return simulated_kv_cache(model, variant.kv_cache.spec, interleaves_rope_pairs(ckpt.config))
 
 
 def _describe(variant: Variant) -> str:

@@ -19,7 +19,7 @@ from formats.bitsandbytes import BitsAndBytesWriter
 from formats.compressed_tensors import CompressedTensorsWriter
 from formats.gguf import GGUFFileWriter, architecture_of, check_shapes, gguf_name, gguf_order
 from formats.gptq import GPTQWriter
-from formats.hf import DenseSafetensorsWriter, HFCheckpoint, is_linear_weight
+from formats.hf import DenseSafetensorsWriter, HFCheckpoint
 from formats.modelfile import write_modelfile
 from quant.awq import awq_model
 from quant.ggml import FILE_TYPES, encode, tensor_types
@@ -59,7 +59,7 @@ def plan_variant(ckpt: HFCheckpoint, variant: Variant, imatrix: bool = False) ->
     weights = variant.weights
     if isinstance(weights, (RTNWeights, GPTQWeights, AWQWeights)):
         spec = weights.spec
-        if not _decoder_linears(ckpt):
+        if not ckpt.linear_modules:
             raise InputError(f"{ckpt.path}: no Linear weights to quantize")
         try:
             chosen = chosen_modules(ckpt, weights)
@@ -213,14 +213,10 @@ def _pass_label(variant: Variant) -> str:
     return "outliers" if isinstance(variant.weights, RTNWeights) else variant.weights.method.upper()
 
 
-def _decoder_linears(ckpt: HFCheckpoint) -> list[str]:
-    return [n.removesuffix(".weight") for n in ckpt.names if is_linear_weight(n, ckpt.shape(n))]
-
-
 def chosen_modules(ckpt: HFCheckpoint, weights: RTNWeights | GPTQWeights | AWQWeights) -> list[str]:
     """The decoder Linear modules the weights' ``targets`` and ``ignore`` patterns pick, in
     checkpoint order."""
-    linears = _decoder_linears(ckpt)
+    linears = ckpt.linear_modules
     chosen = select_modules(linears, weights.targets, weights.ignore)
     return [n for n in linears if n in chosen]
 
