@@ -18,8 +18,8 @@ from typing import Iterator, NamedTuple, TypeVar
 import torch
 
 from calib.layerwise import LayerInputs, decoder_layers, first_layer_inputs, layers_prefix, run_layer
+from formats.architecture import meta_model, transformers_config
 from formats.hf import HFCheckpoint
-from quant.types import InputError
 
 T = TypeVar("T")
 
@@ -39,28 +39,16 @@ def working_device() -> torch.device:
 def skeleton(ckpt: HFCheckpoint) -> torch.nn.Module:
     """The checkpoint's transformers model with every parameter on the meta device. Buffers that no
     checkpoint holds (the rotary embedding's frequencies) are computed from the config as usual.
-    Every parameter is checked against the checkpoint now, so a missing or misshapen tensor stops
-    the run before any layer is worked on, not hours into it."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        config = AutoConfig.from_pretrained(ckpt.path)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    except (ValueError, KeyError, OSError) as e:
-        raise InputError(f"{ckpt.path}: transformers cannot build this model ({str(e).splitlines()[0]})") from None
+    The checkpoint was checked against this model when it was opened, so a missing or misshapen
+    tensor has stopped the run before any layer is worked on, not hours into it."""
+    where = str(ckpt.path / "config.json")
+    model = meta_model(transformers_config(ckpt.config, where), where).eval()
     decoder_layers(model)  # refuses models the walk does not know
     decoder = model.get_decoder()
     rotary = getattr(decoder, "rotary_emb", None)
     if rotary is not None:
         decoder.rotary_emb = type(rotary)(config=model.config).to(working_device())
-    names = set(ckpt.names)
-    for name, param in model.named_parameters():  # a tied output head is listed once, as the embedding
-        if name not in names:
-            raise InputError(f"{ckpt.path}: no tensor '{name}' in the checkpoint ({ckpt.architecture} needs it)")
-        if ckpt.shape(name) != tuple(param.shape):
-            raise InputError(f"{ckpt.path}: tensor '{name}' has shape {list(ckpt.shape(name))}, the config gives {list(param.shape)}")
-    return model.eval()
+    return model
 
 
 def walk_layers(ckpt: HFCheckpoint, model: torch.nn.Module, windows: torch.Tensor) -> Iterator[LayerStep]:

@@ -4,15 +4,16 @@ with a chart, and a table on the terminal."""
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from html import escape
 from pathlib import Path
 
 from rich.table import Table
+from rich.text import Text
 
 from evalsuite.chart import size_fidelity_svg
 from evalsuite.metrics import Scores
+from formats.outputs import Outputs
 
 
 @dataclass
@@ -163,7 +164,7 @@ next token is the original's. bpw: bits per weight over all tensors.</p>
 
 
 def table(report: Report) -> Table:
-    t = Table(title=f"{report.model}: {report.windows} x {report.window} tokens of {Path(report.eval_text).name}")
+    t = Table(title=Text(f"{report.model}: {report.windows} x {report.window} tokens of {Path(report.eval_text).name}"))
     for i, c in enumerate(COLUMNS):
         t.add_column(c, justify="left" if i < 2 else "right")
     for r in report.rows:
@@ -172,13 +173,9 @@ def table(report: Report) -> Table:
 
 
 def write_report(report: Report, out_dir: Path) -> None:
-    """Write report.json, report.md and report.html, each under a temporary name first."""
-    _write_atomic(out_dir / "report.json", json.dumps(report.as_dict(), indent=2) + "\n")
-    _write_atomic(out_dir / "report.md", markdown(report))
-    _write_atomic(out_dir / "report.html", html(report))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    """Write report.json, report.md and report.html, under temporary names until all three are written."""
+    with Outputs() as outputs:
+        for name, text in (("report.json", json.dumps(report.as_dict(), indent=2) + "\n"),
+                           ("report.md", markdown(report)), ("report.html", html(report))):
+            outputs.stage(out_dir / name).write_text(text, encoding="utf-8")
+        outputs.commit()

@@ -9,7 +9,6 @@ llama.cpp's converter so llama.cpp sees the same model transformers does.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -82,40 +81,12 @@ def interleaves_rope_pairs(config: dict) -> bool:
     return SUPPORTED_ARCHITECTURES.get(config.get("model_type")) == "llama"
 
 
-def check_shapes(ckpt: HFCheckpoint) -> None:
-    """Refuse a checkpoint whose tensors disagree with its config.json: llama.cpp would reject the
-    file at load time, long after the conversion, with a less helpful message."""
-    c = ckpt.config
-    hidden, heads = c["hidden_size"], c["num_attention_heads"]
-    head_dim = c.get("head_dim") or hidden // heads
-    q, kv = heads * head_dim, c.get("num_key_value_heads", heads) * head_dim
-    ffn, vocab = c["intermediate_size"], c["vocab_size"]
-    expected = {
-        "model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden), "model.norm.weight": (hidden,),
-        "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
-        "self_attn.q_proj.weight": (q, hidden), "self_attn.k_proj.weight": (kv, hidden),
-        "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, q),
-        "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
-        "self_attn.o_proj.bias": (hidden,),
-        "mlp.gate_proj.weight": (ffn, hidden), "mlp.up_proj.weight": (ffn, hidden), "mlp.down_proj.weight": (hidden, ffn),
-    }
-    for name in ckpt.names:
-        m = _LAYER_RE.match(name)
-        key = m.group(2) if m else name
-        if m and int(m.group(1)) >= c["num_hidden_layers"]:
-            raise InputError(f"{ckpt.path}: tensor '{name}' is beyond num_hidden_layers={c['num_hidden_layers']} in config.json")
-        if key in expected and ckpt.shape(name) != expected[key]:
-            raise InputError(
-                f"{ckpt.path}: tensor '{name}' has shape {list(ckpt.shape(name))} but config.json implies {list(expected[key])}"
-            )
-
-
 class GGUFFileWriter:
-    """Writes one GGUF file from a plan of ``(hf_name, shape, ggml_type)`` in GGUF tensor order."""
+    """Writes one GGUF file at ``path`` from a plan of ``(hf_name, shape, ggml_type)`` in GGUF tensor
+    order (commands write it under a temporary name and rename it: formats/outputs.py)."""
 
-    def __init__(self, dest: Path, ckpt: HFCheckpoint, file_type_id: int, plan: list[tuple[str, tuple[int, ...], str]]):
-        self.dest = dest
-        self.tmp = dest.with_name(dest.name + ".partial")
+    def __init__(self, path: Path, ckpt: HFCheckpoint, file_type_id: int, plan: list[tuple[str, tuple[int, ...], str]]):
+        self.path = path
         self.arch = architecture_of(ckpt)
         self.config = ckpt.config
         self._order = [hf for hf, _, _ in plan]
@@ -124,15 +95,18 @@ class GGUFFileWriter:
         writer.add_file_type(file_type_id)
         writer.add_quantization_version(2)
         _add_hparams(writer, self.arch, ckpt.config)
-        _add_tokenizer(writer, ckpt)
+        try:
+            _add_tokenizer(writer, ckpt)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:  # a damaged tokenizer file
+            raise InputError(f"{ckpt.path}: the tokenizer files are not a tokenizer this converter reads "
+                             f"({type(e).__name__}: {str(e)[:80]})") from None
         generated = _generated_tensors(ckpt.config)
         for name, data in generated.items():  # first, as llama.cpp's converter writes them
             writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes)
         for hf_name, shape, ggml_type in plan:
             qtype = GGMLQuantizationType[ggml_type]
             writer.add_tensor_info(gguf_name(hf_name), shape, np.dtype(np.float32), _nbytes(shape, qtype), raw_dtype=qtype)
-        self.dest.parent.mkdir(parents=True, exist_ok=True)
-        writer.write_header_to_file(self.tmp)
+        writer.write_header_to_file(self.path)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for data in generated.values():
@@ -156,12 +130,11 @@ class GGUFFileWriter:
         self._writer.close()
         if self._next != len(self._order):
             raise RuntimeError(f"GGUF export incomplete: {self._next} of {len(self._order)} tensors written")
-        os.replace(self.tmp, self.dest)
-        return self.dest
+        return self.path
 
     def abort(self) -> None:
         self._writer.close()
-        self.tmp.unlink(missing_ok=True)
+        self.path.unlink(missing_ok=True)
 
 
 def _nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
@@ -183,7 +156,16 @@ def _permute_rows(raw: np.ndarray, heads: int) -> np.ndarray:
 def _rope(config: dict) -> tuple[float, dict]:
     """rope_theta and the rope-scaling settings, wherever this config's transformers version keeps them."""
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    return float(rope.get("rope_theta", config.get("rope_theta", 10000.0))), rope
+    if not isinstance(rope, dict):
+        raise InputError(f"config.json: rope_parameters is {str(rope)[:40]}, not an object")
+    return _positive(rope.get("rope_theta", config.get("rope_theta", 10000.0)), "rope_theta"), rope
+
+
+def _positive(value: object, key: str) -> float:
+    """A config.json number llama.cpp needs, checked: finite and above zero."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise InputError(f"config.json: {key} is {str(value)[:40]}; GGUF export needs a positive number there")
+    return float(value)
 
 
 def _head_dim(config: dict) -> int:
@@ -196,9 +178,11 @@ def _add_hparams(writer: GGUFWriter, arch: str, config: dict) -> None:
     head_dim = _head_dim(config)
     rope_theta, rope = _rope(config)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if "max_position_embeddings" not in config or "rms_norm_eps" not in config:
+        raise InputError("config.json: GGUF export needs max_position_embeddings and rms_norm_eps")
     if rope_type == "linear":
         writer.add_rope_scaling_type("linear")
-        writer.add_rope_scaling_factor(float(rope["factor"]))
+        writer.add_rope_scaling_factor(_positive(rope.get("factor"), "rope factor"))
     elif rope_type == "llama3" and arch != "llama":
         raise InputError("config.json: rope type 'llama3' is only supported for llama models in GGUF export")
     elif rope_type not in ("default", "llama3", None):  # llama3: the rope_freqs tensor carries it
@@ -209,7 +193,7 @@ def _add_hparams(writer: GGUFWriter, arch: str, config: dict) -> None:
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(config.get("num_key_value_heads", heads))
-    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    writer.add_layer_norm_rms_eps(_positive(config["rms_norm_eps"], "rms_norm_eps"))
     writer.add_rope_freq_base(rope_theta)
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(config["vocab_size"])
@@ -230,9 +214,11 @@ def _generated_tensors(config: dict) -> dict[str, np.ndarray]:
     if rope.get("rope_type", rope.get("type")) != "llama3":
         return {}
     dim = _head_dim(config)
-    factor = float(rope["factor"])
-    low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
-    old_context = float(rope.get("original_max_position_embeddings", 8192))
+    factor = _positive(rope.get("factor"), "rope factor")
+    low, high = (_positive(rope.get(k, default), k) for k, default in (("low_freq_factor", 1.0), ("high_freq_factor", 4.0)))
+    old_context = _positive(rope.get("original_max_position_embeddings", 8192), "original_max_position_embeddings")
+    if high <= low:
+        raise InputError(f"config.json: rope high_freq_factor {high} must exceed low_freq_factor {low}")
     freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
     wavelen = 2 * np.pi / freqs
     smooth = (old_context / wavelen - low) / (high - low)
@@ -247,9 +233,8 @@ def _add_tokenizer(writer: GGUFWriter, ckpt: HFCheckpoint) -> None:
     """Embed the tokenizer as llama.cpp's converter does: SentencePiece when the checkpoint has a
     tokenizer.model (Llama-2, Mistral v0.1), else the byte-level BPE of tokenizer.json."""
     json_path = ckpt.path / "tokenizer.json"
-    tok = json.loads(json_path.read_text()) if json_path.is_file() else {}
-    cfg_path = ckpt.path / "tokenizer_config.json"
-    tok_cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    tok = ckpt.side_file("tokenizer.json")
+    tok_cfg = ckpt.tokenizer_config
     if (ckpt.path / "tokenizer.model").is_file():
         vocab = _add_sentencepiece_vocab(writer, ckpt, tok, tok_cfg)
     elif tok:

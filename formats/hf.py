@@ -9,11 +9,12 @@ streams tensor bytes, so neither side ever holds the whole model.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from quant.types import InputError
@@ -24,58 +25,129 @@ _ST_DTYPES = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+_FLOAT_DTYPES = ("F32", "F16", "BF16")
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja",
 )
 
 
-def read_safetensors_header(path: Path) -> dict[str, dict]:
-    """Parse and check a safetensors header without loading data; raise InputError if damaged.
+# Every dtype the safetensors format defines, with its width in bits (sub-byte types pack).
+_ST_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "F64": 64, "I64": 64, "U64": 64,
+    "C64": 64,
+}
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's limit
+_USIZE = 1 << 64
 
-    Each tensor's entry gains ``file_offset``, where its bytes start in the file.
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A checked safetensors header: each tensor's entry as the file gives it (``dtype``, ``shape``,
+    ``data_offsets`` within the data section) plus ``file_offset``, where its bytes start in the
+    file; and the free-form ``__metadata__`` strings."""
+
+    tensors: dict[str, dict]
+    metadata: dict[str, str]
+
+
+def read_safetensors_header(path: Path) -> SafetensorsHeader:
+    """Parse and check a safetensors header without reading any tensor data.
+
+    The checks are the safetensors library's own (its ``Metadata::validate``): header length within
+    the file and the 100 MB limit, a UTF-8 JSON object, string-to-string ``__metadata__``, known
+    dtypes, shapes and offsets of non-negative integers, each tensor's bytes equal to its shape times
+    its dtype, and the tensors tiling the data section exactly, in order, without gaps or overlaps.
+    So a file the library refuses is refused here, with one line naming the tensor or field.
     """
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise InputError(f"{path}: not a safetensors file (too short)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8 or n > 100_000_000:
-            raise InputError(f"{path}: truncated or not a safetensors file (header length {n}, file size {size})")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise InputError(f"{path}: corrupted safetensors header") from None
-    if not isinstance(header, dict):
-        raise InputError(f"{path}: corrupted safetensors header")
-    header.pop("__metadata__", None)
-    data_size = size - 8 - n
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise InputError(f"{path}: not a safetensors file (too short)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > MAX_HEADER_BYTES:
+                raise InputError(f"{path}: truncated or not a safetensors file (header length {n}, file size {size})")
+            text = f.read(n)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        header = json.loads(text.decode("utf-8"), parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise InputError(f"{path}: corrupted safetensors header (not UTF-8 JSON)") from None
+    if not isinstance(header, dict) or not text.lstrip().startswith(b"{"):
+        raise InputError(f"{path}: corrupted safetensors header (not a JSON object)")
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise InputError(f"{path}: corrupted safetensors header: __metadata__ must map names to strings")
     for name, info in header.items():
-        try:
-            begin, end = info["data_offsets"]
-            dtype, shape = info["dtype"], info["shape"]
-        except (KeyError, TypeError, ValueError):
-            raise InputError(f"{path}: corrupted safetensors header entry for tensor '{name}'") from None
-        if end > data_size:
-            raise InputError(
-                f"{path}: truncated: tensor '{name}' ends at byte {end} of the data section, "
-                f"but the file holds only {data_size}"
-            )
-        if dtype not in _ST_DTYPES:
-            raise InputError(f"{path}: tensor '{name}' has unsupported dtype {dtype}")
-        expected = _ST_DTYPES[dtype].itemsize * _numel(shape)
-        if end - begin != expected:
-            raise InputError(f"{path}: tensor '{name}' has {end - begin} bytes, its shape {shape} needs {expected}")
+        _check_entry(path, name, info)
+    data_size = size - 8 - n
+    end = 0
+    for name, info in sorted(header.items(), key=lambda item: tuple(item[1]["data_offsets"])):
+        begin, stop = info["data_offsets"]
+        if begin != end:
+            what = "overlaps the tensor before it" if begin < end else f"leaves a gap of {begin - end:,} bytes before it"
+            raise InputError(f"{path}: corrupted safetensors header: tensor '{name}' starts at byte {begin:,} of the data "
+                             f"section and {what}")
+        end = stop
         info["file_offset"] = 8 + n + begin
-    return header
+    if end != data_size:
+        raise InputError(f"{path}: {'truncated' if end > data_size else 'damaged'}: the header's tensors take "
+                         f"{end:,} bytes of data, the file holds {data_size:,}")
+    return SafetensorsHeader(header, metadata)
 
 
-def _numel(shape: Iterable[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
+def read_json(path: Path) -> object:
+    """A JSON file, or one line saying why it is not one (deep nesting and NaN included)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"), parse_constant=_refuse_constant)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: invalid JSON (not UTF-8 text)") from None
+    except RecursionError:
+        raise InputError(f"{path}: invalid JSON (nested too deeply)") from None
+    except ValueError as e:
+        raise InputError(f"{path}: invalid JSON ({getattr(e, 'msg', e)})") from None
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _check_entry(path: Path, name: str, info: object) -> None:
+    """One tensor entry: a dtype the format defines, a shape of non-negative integers, and two
+    offsets whose distance is exactly the bytes that shape takes."""
+    def fail(what: str) -> InputError:
+        return InputError(f"{path}: corrupted safetensors header: tensor '{name}' {what}")
+
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise fail("needs 'dtype', 'shape' and 'data_offsets'")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in _ST_BITS:
+        raise fail(f"has dtype {json.dumps(dtype)[:40]}, not a safetensors dtype")
+    if not isinstance(shape, list) or not all(_is_usize(d) for d in shape):
+        raise fail(f"has shape {json.dumps(shape)[:60]}, not a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_usize(o) for o in offsets):
+        raise fail(f"has data_offsets {json.dumps(offsets)[:60]}, not two non-negative integers")
+    begin, end = offsets
+    if end < begin:
+        raise fail(f"ends (byte {end:,}) before it begins (byte {begin:,})")
+    bits = _ST_BITS[dtype] * math.prod(shape)
+    if bits >= _USIZE or bits % 8:
+        raise fail(f"of shape {shape} in {dtype} is not a whole number of bytes the format can hold")
+    if end - begin != bits // 8:
+        raise fail(f"has {end - begin:,} bytes, but its shape {shape} in {dtype} needs {bits // 8:,}")
+
+
+def _is_usize(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _USIZE
 
 
 class HFCheckpoint:
@@ -97,10 +169,7 @@ class HFCheckpoint:
         config_path = path / "config.json"
         if not config_path.is_file():
             raise InputError(f"{path}: no config.json in the model folder")
-        try:
-            config = json.loads(config_path.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise InputError(f"{config_path}: invalid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
+        config = read_json(config_path)
         if not isinstance(config, dict):
             raise InputError(f"{config_path}: expected a JSON object")
         files = sorted(path.glob("*.safetensors"))
@@ -108,8 +177,48 @@ class HFCheckpoint:
             pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
             extra = f" ({', '.join(pickles)} are pickle files, which quantbench never loads)" if pickles else ""
             raise InputError(f"{path}: no *.safetensors weights in the model folder{extra}")
-        headers = {f: read_safetensors_header(f) for f in files}
-        return cls(path, config, headers)
+        headers = {f: read_safetensors_header(f).tensors for f in files}
+        ckpt = cls(path, config, headers)
+        ckpt._check_against_config(headers)
+        return ckpt
+
+    def _check_against_config(self, headers: dict[Path, dict[str, dict]]) -> None:
+        """Refuse a folder whose tensors are not the model its config.json describes: every tensor
+        the architecture needs, present once, with its shape, in a float dtype, and nothing else
+        (but the rotary frequencies old checkpoints carry), so that no conversion or evaluation
+        starts on a checkpoint that would fail, or load wrongly, later."""
+        from formats.architecture import expected_tensors
+
+        quantization = self.config.get("quantization_config")
+        if quantization is not None:
+            method = quantization.get("quant_method", "quantized") if isinstance(quantization, dict) else "quantized"
+            raise InputError(f"{self.path}: a {method} checkpoint (quantization_config in config.json); "
+                             "quantbench reads float checkpoints (F32, F16, BF16)")
+        seen: dict[str, Path] = {}
+        for file, header in headers.items():
+            for name in header:
+                if name in seen:
+                    raise InputError(f"{self.path}: tensor '{name}' is in both {seen[name].name} and {file.name}")
+                seen[name] = file
+        if not seen:
+            raise InputError(f"{self.path}: the safetensors files hold no tensors")
+        expected, optional = expected_tensors(self.config, str(self.path / "config.json"))
+        missing = [n for n in expected if n not in seen and n not in optional]
+        if missing:
+            more = f"; {len(missing) - 1} more are missing" if len(missing) > 1 else ""
+            raise InputError(f"{self.path}: no tensor '{missing[0]}' in the checkpoint ({self.architecture} needs it{more})")
+        extra = [n for n in seen if n not in expected and not n.endswith("rotary_emb.inv_freq")]
+        if extra:
+            more = f"; {len(extra) - 1} more are unexpected" if len(extra) > 1 else ""
+            raise InputError(f"{self.path}: tensor '{extra[0]}' in {seen[extra[0]].name} is not part of the "
+                             f"{self.architecture} that config.json describes{more}")
+        for name in seen:
+            dtype = self._info[name]["dtype"]
+            if name in expected and self.shape(name) != expected[name]:
+                raise InputError(f"{self.path}: tensor '{name}' has shape {list(self.shape(name))}, "
+                                 f"the config gives {list(expected[name])}")
+            if dtype not in _FLOAT_DTYPES:
+                raise InputError(f"{self.path}: tensor '{name}' is {dtype}; a float checkpoint holds F32, F16 or BF16")
 
     @property
     def names(self) -> list[str]:
@@ -144,6 +253,20 @@ class HFCheckpoint:
         archs = self.config.get("architectures") or ["?"]
         return archs[0]
 
+    @property
+    def tokenizer_config(self) -> dict:
+        return self.side_file("tokenizer_config.json")
+
+    def side_file(self, name: str) -> dict:
+        """A JSON object beside the weights (tokenizer.json, tokenizer_config.json), {} if absent."""
+        path = self.path / name
+        if not path.is_file():
+            return {}
+        data = read_json(path)
+        if not isinstance(data, dict):
+            raise InputError(f"{path}: expected a JSON object")
+        return data
+
     def copy_side_files(self, dest: Path) -> None:
         """Copy the tokenizer and generation files that travel with any export of this model."""
         for name in TOKENIZER_FILES:
@@ -170,28 +293,27 @@ class SafetensorsFolderWriter:
     """Streams tensors into ``model.safetensors`` of a checkpoint folder transformers can load.
 
     The header is written from the planned names, dtypes and shapes before any data, then each
-    tensor is appended as it arrives, in plan order. The folder is built under a temporary name
-    and renamed when complete, so a failed run never leaves a half-written checkpoint. ``config``
-    is the folder's config.json; the source's tokenizer and generation files are copied beside it.
+    tensor is appended as it arrives, in plan order. The folder is made at ``path`` (commands make
+    it under a temporary name and rename it when complete: formats/outputs.py). ``config`` is the
+    folder's config.json; the source's tokenizer and generation files are copied beside it.
     """
 
-    def __init__(self, dest: Path, plan: list[tuple[str, torch.dtype, tuple[int, ...]]], config: dict, source: HFCheckpoint):
-        self.dest = dest
-        self.tmp = dest.with_name(dest.name + ".partial")
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir(parents=True)
+    def __init__(self, path: Path, plan: list[tuple[str, torch.dtype, tuple[int, ...]]], config: dict, source: HFCheckpoint):
+        self.path = path
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
         self._plan = plan
         header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for name, dtype, shape in plan:
-            nbytes = dtype.itemsize * _numel(shape)
+            nbytes = dtype.itemsize * math.prod(shape)
             header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # keep the data section 8-byte aligned
-        self._file = open(self.tmp / "model.safetensors", "wb")
+        self._file = open(path / "model.safetensors", "wb")
         self._file.write(struct.pack("<Q", len(blob)) + blob)
-        (self.tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         self.source = source
         self._next = 0
 
@@ -208,15 +330,13 @@ class SafetensorsFolderWriter:
     def finish(self) -> Path:
         self._file.close()
         if self._next != len(self._plan):
-            raise RuntimeError(f"{self.dest.name} export incomplete: {self._next} of {len(self._plan)} tensors written")
-        self.source.copy_side_files(self.tmp)
-        shutil.rmtree(self.dest, ignore_errors=True)
-        self.tmp.rename(self.dest)
-        return self.dest
+            raise RuntimeError(f"{self.path.name} export incomplete: {self._next} of {len(self._plan)} tensors written")
+        self.source.copy_side_files(self.path)
+        return self.path
 
     def abort(self) -> None:
         self._file.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
 def export_config(source: HFCheckpoint, dtype: torch.dtype) -> dict:
@@ -230,9 +350,9 @@ def export_config(source: HFCheckpoint, dtype: torch.dtype) -> dict:
 class DenseSafetensorsWriter:
     """A float checkpoint: every tensor as given, cast to ``dtype``."""
 
-    def __init__(self, dest: Path, plan: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, source: HFCheckpoint):
+    def __init__(self, path: Path, plan: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, source: HFCheckpoint):
         self.dtype = dtype
-        self._folder = SafetensorsFolderWriter(dest, [(n, dtype, tuple(s)) for n, s in plan], export_config(source, dtype), source)
+        self._folder = SafetensorsFolderWriter(path, [(n, dtype, tuple(s)) for n, s in plan], export_config(source, dtype), source)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         self._folder.write(name, tensor.to(self.dtype))

@@ -10,20 +10,20 @@ releases wrote and ``llama-quantize`` still reads. Names are GGUF tensor names
 
 from __future__ import annotations
 
-import os
 import struct
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter
 
+from formats.gguf_file import read_gguf_header
 from quant.types import InputError
 
 
 def write_imatrix(path: Path, means: dict[str, np.ndarray], tokens: int, datasets: list[str], chunk_size: int) -> None:
-    """Write llama.cpp's GGUF imatrix: ``means`` (GGUF name -> mean x^2 per column) over ``tokens`` tokens."""
-    tmp = path.with_name(path.name + ".partial")
-    writer = GGUFWriter(tmp, arch="imatrix")
+    """Write llama.cpp's GGUF imatrix: ``means`` (GGUF name -> mean x^2 per column) over ``tokens``
+    tokens, at ``path`` itself (a command stages it under a temporary name: formats/outputs.py)."""
+    writer = GGUFWriter(path, arch="imatrix")
     writer.add_type("imatrix")
     writer.add_array("imatrix.datasets", datasets)
     writer.add_uint32("imatrix.chunk_count", max(1, tokens // chunk_size))
@@ -35,7 +35,6 @@ def write_imatrix(path: Path, means: dict[str, np.ndarray], tokens: int, dataset
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    os.replace(tmp, path)
 
 
 def read_imatrix(path: Path) -> dict[str, np.ndarray]:
@@ -48,11 +47,14 @@ def read_imatrix(path: Path) -> dict[str, np.ndarray]:
 
 
 def _read_gguf(path: Path) -> dict[str, np.ndarray]:
-    try:
-        reader = GGUFReader(path)
-    except Exception as e:  # the reader raises assorted errors on damaged files
-        raise InputError(f"{path}: damaged imatrix file ({type(e).__name__}: {e})") from None
-    tensors = {t.name: np.asarray(t.data, dtype=np.float32) for t in reader.tensors}
+    header = read_gguf_header(path)
+    tensors = {}
+    with open(path, "rb") as f:
+        for t in header.tensors:
+            if t.type != GGMLQuantizationType.F32:
+                raise InputError(f"{path}: imatrix tensor '{t.name}' is {t.type.name}; llama.cpp writes F32")
+            f.seek(t.offset)
+            tensors[t.name] = np.frombuffer(f.read(t.n_bytes), dtype="<f4")
     means = {}
     for name, sums in tensors.items():
         if not name.endswith(".in_sum2"):
@@ -60,7 +62,9 @@ def _read_gguf(path: Path) -> dict[str, np.ndarray]:
         base = name.removesuffix(".in_sum2")
         if f"{base}.counts" not in tensors:
             raise InputError(f"{path}: '{base}' has sums but no counts")
-        counts = tensors[f"{base}.counts"].reshape(-1)
+        counts = tensors[f"{base}.counts"]
+        if not counts.size or sums.size % counts.size:
+            raise InputError(f"{path}: '{base}' has {sums.size} sums for {counts.size} counts")
         sums = sums.reshape(counts.size, -1)
         # A matrix that saw no tokens gets uniform importance, as llama-quantize does.
         means[base] = np.where(counts[:, None] > 0, sums / np.maximum(counts[:, None], 1), 1.0).astype(np.float32).reshape(-1)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+from gguf import GGUFValueType
 
-from formats.hf import read_safetensors_header
+from formats.gguf_file import read_gguf_header
+from formats.hf import read_json, read_safetensors_header
 from quant.types import InputError
 
 
@@ -28,11 +30,11 @@ class TensorEntry:
 
     def __post_init__(self) -> None:
         if self.weights is None:
-            self.weights = int(np.prod(self.shape))
+            self.weights = math.prod(self.shape)
 
     @property
     def bits_per_weight(self) -> float:
-        return 8.0 * self.nbytes / max(1, self.weights or int(np.prod(self.shape)))
+        return 8.0 * self.nbytes / max(1, self.weights or math.prod(self.shape))
 
 
 @dataclass
@@ -54,84 +56,70 @@ def inspect_file(path: Path) -> FileSummary:
         raise InputError(f"{path}: file not found")
     if path.is_dir():
         raise InputError(f"{path}: is a folder; give one .gguf or .safetensors file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic == b"GGUF":
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
+    if head[:4] == b"GGUF":
         return _inspect_gguf(path)
-    if path.suffix == ".safetensors" or _looks_like_safetensors(path):
+    if path.suffix == ".safetensors" or head[8:9] == b"{":
         return _inspect_safetensors(path)
     raise InputError(f"{path}: neither a GGUF nor a safetensors file")
 
 
-def _looks_like_safetensors(path: Path) -> bool:
-    with open(path, "rb") as f:
-        head = f.read(9)
-    return len(head) == 9 and head[8:9] == b"{"
-
-
 def _inspect_safetensors(path: Path) -> FileSummary:
-    import json
-    import struct
-
     header = read_safetensors_header(path)
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        meta = json.loads(f.read(n)).get("__metadata__") or {}
     scheme, bits = _quantization(path)
     tensors = []
-    for name, info in header.items():
+    for name, info in header.tensors.items():
         shape = tuple(info["shape"])
         weights = None
         if bits and name.endswith(_AUXILIARY):
             weights = 0
         elif bits and name.endswith((".qweight", ".weight_packed")):  # int32 words of packed codes
-            weights = int(np.prod(shape)) * 32 // bits
+            weights = math.prod(shape) * 32 // bits
         elif bits and info["dtype"] == "U8" and name.endswith(".weight"):  # bitsandbytes: two 4-bit codes a byte
-            weights = int(np.prod(shape)) * 8 // bits
+            weights = math.prod(shape) * 8 // bits
         tensors.append(TensorEntry(name, info["dtype"], shape, info["data_offsets"][1] - info["data_offsets"][0], weights))
-    return FileSummary(path, "safetensors", {k: str(v) for k, v in meta.items()}, tensors, scheme)
+    return FileSummary(path, "safetensors", header.metadata, tensors, scheme)
 
 
 def _quantization(path: Path) -> tuple[str | None, int | None]:
-    """(scheme, code bits) of a quantized checkpoint, from the config.json beside the file."""
-    import json
-
+    """(scheme, code bits) of a quantized checkpoint, from the config.json beside the file; (None,
+    None) where there is none, or it does not describe a scheme this knows."""
     try:
-        config = json.loads((path.parent / "config.json").read_text()).get("quantization_config") or {}
-    except (OSError, ValueError, AttributeError):
+        config = read_json(path.parent / "config.json")
+    except InputError:
         return None, None
-    method = config.get("quant_method")
-    if method in ("gptq", "awq"):
+    config = config.get("quantization_config") if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        return None, None
+    method, bits = config.get("quant_method"), config.get("bits")
+    if method in ("gptq", "awq") and bits in (2, 3, 4, 8):
         group = config.get("group_size", -1)
-        return f"{method} int{config.get('bits')} {'channel' if group == -1 else f'g{group}'}", config.get("bits")
+        return f"{method} int{bits} {'channel' if group == -1 else f'g{group}'}", bits
     if method == "bitsandbytes" and config.get("load_in_4bit"):
         return f"bitsandbytes {config.get('bnb_4bit_quant_type')}", 4
-    if method == "compressed-tensors":
-        weights = next(iter(config.get("config_groups", {}).values()), {}).get("weights") or {}
-        bits = weights.get("num_bits")
+    groups = config.get("config_groups")
+    group = next(iter(groups.values()), None) if isinstance(groups, dict) and groups else None
+    weights = group.get("weights") if isinstance(group, dict) else None
+    if method == "compressed-tensors" and isinstance(weights, dict) and weights.get("num_bits") in range(1, 33):
+        bits = weights["num_bits"]
         return f"compressed-tensors {config.get('format')} {weights.get('type')}{bits} {weights.get('strategy')}", bits
     return None, None
 
 
 def _inspect_gguf(path: Path) -> FileSummary:
-    from gguf import GGUFReader, GGUFValueType
-
-    try:
-        reader = GGUFReader(path)
-    except Exception as e:  # the reader raises assorted errors on damaged files; all mean the same
-        raise InputError(f"{path}: damaged or truncated GGUF file ({type(e).__name__}: {e})") from None
+    header = read_gguf_header(path)
+    if not header.tensors:
+        raise InputError(f"{path}: the GGUF file holds no tensors (a vocabulary-only file?), so no model to inspect")
     metadata: dict[str, str] = {}
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF."):
-            continue
-        if field.types and field.types[0] == GGUFValueType.ARRAY:
-            metadata[field.name] = f"[{len(field.data)} items]"
+    for key, value in header.fields.items():
+        if header.types[key][0] == GGUFValueType.ARRAY:
+            metadata[key] = f"[{len(value)} items]"
         else:
-            value = field.contents()
             text = str(value)
-            metadata[field.name] = text if len(text) <= 120 else text[:117] + "..."
-    tensors = [
-        TensorEntry(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)), int(t.n_bytes))
-        for t in reader.tensors
-    ]
+            metadata[key] = text if len(text) <= 120 else text[:117] + "..."
+    tensors = [TensorEntry(t.name, t.type.name, t.shape, t.n_bytes) for t in header.tensors]
     return FileSummary(path, "gguf", metadata, tensors)

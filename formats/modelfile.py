@@ -8,7 +8,6 @@ file and their stop tokens, and Ollama falls back to the template embedded in th
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from formats.hf import HFCheckpoint
@@ -22,23 +21,23 @@ _LLAMA3 = (
 )
 
 
-def write_modelfile(gguf_path: Path, ckpt: HFCheckpoint) -> Path:
-    """Write ``<gguf name>.Modelfile`` next to the GGUF file (temporary name, then rename)."""
+def modelfile_name(gguf_name: str) -> str:
+    """``model.gguf`` -> ``model.Modelfile``."""
+    return Path(gguf_name).stem + ".Modelfile"
+
+
+def write_modelfile(path: Path, gguf_name: str, ckpt: HFCheckpoint) -> None:
+    """Write, at ``path``, the Modelfile of the GGUF file ``gguf_name`` that lies beside it."""
     template, stops = _chat_format(ckpt)
-    lines = [f"FROM ./{gguf_path.name}"]
+    lines = [f"FROM ./{gguf_name}"]
     if template:
         lines.append(f'TEMPLATE """{template}"""')
     lines += [f"PARAMETER stop {json.dumps(s)}" for s in stops]
-    dest = gguf_path.with_name(gguf_path.stem + ".Modelfile")
-    tmp = dest.with_name(dest.name + ".partial")
-    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    os.replace(tmp, dest)
-    return dest
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def _chat_format(ckpt: HFCheckpoint) -> tuple[str | None, list[str]]:
-    cfg_path = ckpt.path / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    cfg = ckpt.tokenizer_config
     chat = cfg.get("chat_template") or ""
     if not chat and (ckpt.path / "chat_template.jinja").is_file():
         chat = (ckpt.path / "chat_template.jinja").read_text()

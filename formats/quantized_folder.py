@@ -58,7 +58,7 @@ class QuantizedFolderWriter:
     @property
     def folder(self) -> Path:
         """Where the files are being written (side files go here too)."""
-        return self._folder.tmp
+        return self._folder.path
 
     def stored(self, module: str, shape: tuple[int, int]) -> Planned:
         raise NotImplementedError

@@ -12,7 +12,9 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from quant.types import InputError
 
@@ -41,7 +43,7 @@ def run(
     out_dir = out or spec.output or Path("runs") / recipe.stem
     report = run_recipe(spec, out_dir, console)
     stdout.print(table(report))
-    stdout.print(f"Report: {out_dir / 'report.md'}  {out_dir / 'report.html'}  {out_dir / 'report.json'}")
+    stdout.print(escape(f"Report: {out_dir / 'report.md'}  {out_dir / 'report.html'}  {out_dir / 'report.json'}"))
 
 
 @app.command()
@@ -53,21 +55,26 @@ def export(
 ) -> None:
     """Convert a Hugging Face checkpoint to a GGUF file in one step, as llama.cpp's converter and quantizer would."""
     from formats.hf import HFCheckpoint
+    from formats.outputs import Outputs, check_output_path
     from quant.ggml import FILE_TYPES
     from recipes.importance import load_or_compute_imatrix
     from recipes.pipeline import progress_bar
-    from recipes.variants import build_variant, gguf_variant, plan_variant
+    from recipes.variants import build_variant, export_paths, gguf_variant, plan_variant
 
     file_type = gguf.upper()
     if file_type not in FILE_TYPES:
         raise InputError(f"--gguf {gguf}: unknown GGUF file type (choose from {', '.join(FILE_TYPES)})")
-    ckpt = HFCheckpoint.open(model)
     variant = gguf_variant(file_type, imatrix is not None)
+    ckpt = HFCheckpoint.open(model)
+    for path in export_paths(ckpt, variant, out.parent, gguf_path=out).values():
+        check_output_path(path, folder=False)
     plan_variant(ckpt, variant, imatrix is not None)
-    with progress_bar(console) as progress:
+    with progress_bar(console) as progress, Outputs() as outputs:  # the .gguf and its Modelfile appear together
         importance = load_or_compute_imatrix(ckpt, imatrix, progress) if imatrix is not None else None
-        built = build_variant(ckpt, variant, out.parent, progress, imatrix=importance, keep_weights=False, gguf_path=out)
-    stdout.print(f"{out}: {file_type}, {out.stat().st_size / 2**20:.2f} MiB, {built.bits_per_weight:.3f} bits per weight")
+        built = build_variant(ckpt, variant, out.parent, progress, imatrix=importance, keep_weights=False, gguf_path=out,
+                              outputs=outputs)
+        outputs.commit()
+    stdout.print(escape(f"{out}: {file_type}, {out.stat().st_size / 2**20:.2f} MiB, {built.bits_per_weight:.3f} bits per weight"))
 
 
 @app.command("imatrix")
@@ -81,14 +88,18 @@ def imatrix_command(
     from formats.gguf import gguf_name
     from formats.hf import HFCheckpoint
     from formats.imatrix import write_imatrix
+    from formats.outputs import Outputs, check_output_path
     from recipes.importance import compute_imatrix
     from recipes.pipeline import progress_bar
 
+    check_output_path(out, folder=False)
     ckpt = HFCheckpoint.open(model)
     with progress_bar(console) as progress:
         means, tokens = compute_imatrix(ckpt, text, progress, windows)
-    write_imatrix(out, {gguf_name(n): v for n, v in means.items()}, tokens, [str(text)], 512)
-    stdout.print(f"{out}: {len(means)} matrices from {tokens} tokens of {text}")
+    with Outputs() as outputs:
+        write_imatrix(outputs.stage(out), {gguf_name(n): v for n, v in means.items()}, tokens, [str(text)], 512)
+        outputs.commit()
+    stdout.print(escape(f"{out}: {len(means)} matrices from {tokens} tokens of {text}"))
 
 
 @app.command()
@@ -98,16 +109,17 @@ def inspect(file: Path = typer.Argument(..., help="A .gguf or .safetensors file.
 
     summary = inspect_file(file)
     scheme = f" ({summary.quantization})" if summary.quantization else ""
-    stdout.print(f"[bold]{summary.path}[/bold]: {summary.format}{scheme}, {len(summary.tensors)} tensors, "
+    stdout.print(f"[bold]{escape(str(summary.path))}[/bold]: {summary.format}{escape(scheme)}, {len(summary.tensors)} tensors, "
                  f"{summary.bits_per_weight:.3f} bits per weight")
+    # Names and values come from the file: shown as plain text, never read as rich markup.
     if summary.metadata:
         meta = Table("key", "value", title="metadata")
         for key, value in summary.metadata.items():
-            meta.add_row(key, value)
+            meta.add_row(Text(key), Text(value))
         stdout.print(meta)
     tensors = Table("name", "type", "shape", "bpw", title="tensors")
     for t in summary.tensors:
-        tensors.add_row(t.name, t.type, "x".join(map(str, t.shape)), f"{t.bits_per_weight:.3f}")
+        tensors.add_row(Text(t.name), t.type, "x".join(map(str, t.shape)), f"{t.bits_per_weight:.3f}")
     stdout.print(tensors)
 
 
@@ -145,7 +157,7 @@ def main() -> None:
     try:
         app(args=args, prog_name="quantize")  # usage errors: typer prints them and exits with 2
     except InputError as e:
-        console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)
 
 if __name__ == "__main__":

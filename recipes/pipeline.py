@@ -23,18 +23,33 @@ from evalsuite.metrics import causal_lm_logprobs, score
 from evalsuite.report import Report, VariantRow, write_report
 from formats.gguf import interleaves_rope_pairs
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
+from formats.outputs import Outputs, check_output_path, folder_lock
 from quant.activations import simulated_activations
 from quant.kv_cache import simulated_kv_cache
 from recipes.importance import model_imatrix
 from recipes.resume import ORIGINAL, RECORD, Keys, finished, path_size, record
-from recipes.schema import AWQWeights, Calibration, GPTQWeights, Recipe, RTNWeights, SourceWeights, Variant
-from recipes.variants import activation_modules, build_variant, plan_variant
+from recipes.schema import (AWQWeights, Calibration, GPTQWeights, Recipe, RTNWeights, SourceWeights, Variant,
+                            check_against_model)
+from recipes.variants import FOLDER_EXPORTS, activation_modules, build_variant, export_paths, plan_variant
 
 
 def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
+    """Run the job into ``out_dir``, which it holds locked for the while (formats/outputs.py)."""
+    check_output_path(out_dir, folder=True)
     ckpt = HFCheckpoint.open(recipe.model)
-    for v in recipe.variants:  # fails fast on any mismatch with the model
+    check_against_model(recipe, ckpt.config)
+    for v in recipe.variants:  # fails fast on any mismatch with the model, and on any path it cannot write
         plan_variant(ckpt, v, getattr(v.weights, "imatrix", False))
+        for export, path in export_paths(ckpt, v, out_dir).items():
+            check_output_path(path, folder=export in FOLDER_EXPORTS)
+    with folder_lock(out_dir) as killed:
+        if killed:
+            console.print(f"{out_dir}: taking over from a job that did not finish (pid {killed['pid']} on {killed['host']}, "
+                          f"since {killed['since']}); its partial files are removed", markup=False, highlight=False)
+        return _run(recipe, ckpt, out_dir, console)
+
+
+def _run(recipe: Recipe, ckpt: HFCheckpoint, out_dir: Path, console: Console) -> Report:
     tokenizer = load_tokenizer(ckpt)
     ev = recipe.evaluation
     windows = token_windows(tokenizer, ev.text, ev.window, ev.max_windows)
@@ -43,11 +58,10 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
     todo = [v for v in recipe.variants if kept[v.name] is None]
     for name, row in kept.items():
         if row is not None:
-            console.print(f"{name}: unchanged since it last finished; its files and scores are kept")
+            console.print(f"{name}: unchanged since it last finished; its files and scores are kept", markup=False)
     needs_imatrix = any(getattr(v.weights, "imatrix", False) for v in todo)
     needs_calibration = any(v.needs_calibration for v in todo)
     calib_windows = _calibration_windows(tokenizer, recipe.calibration) if needs_calibration else None
-    out_dir.mkdir(parents=True, exist_ok=True)
 
     with progress_bar(console) as progress:
         original = None if todo else finished(out_dir / ORIGINAL, keys.original(), out_dir)
@@ -77,14 +91,17 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
             done.unlink(missing_ok=True)  # a crash from here on must not leave the old record standing
             start = time.perf_counter()
             uses = imatrix if getattr(variant.weights, "imatrix", False) else None
-            built = build_variant(ckpt, variant, out_dir, progress, imatrix=uses, calibration=calib_windows)
-            model = model_from_state(reference_model.config, built.state)
-            bits, files, statistics = built.bits_per_weight, built.files, built.input_statistics
-            del built
-            with _activations(model, ckpt, variant), _kv_cache(model, ckpt, variant):
-                scores = _tracked(progress, f"{variant.name}: evaluate", len(windows),
-                                  lambda tick: score(causal_lm_logprobs(model), windows, reference, on_window=tick))
-            del model
+            with Outputs() as outputs:  # the variant's files get their names once it is scored
+                built = build_variant(ckpt, variant, out_dir, progress, imatrix=uses, calibration=calib_windows,
+                                      outputs=outputs)
+                model = model_from_state(reference_model.config, built.state)
+                bits, files, statistics = built.bits_per_weight, built.files, built.input_statistics
+                del built
+                with _activations(model, ckpt, variant), _kv_cache(model, ckpt, variant):
+                    scores = _tracked(progress, f"{variant.name}: evaluate", len(windows),
+                                      lambda tick: score(causal_lm_logprobs(model), windows, reference, on_window=tick))
+                del model
+                outputs.commit()
             row = VariantRow(
                 variant.name, _describe(variant), bits, _size_mb(ckpt, bits), scores,
                 ppl_delta=scores.ppl - original.scores.ppl, seconds=time.perf_counter() - start,

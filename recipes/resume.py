@@ -20,6 +20,7 @@ from pathlib import Path
 from evalsuite.metrics import Scores
 from evalsuite.report import VariantRow
 from formats.hf import HFCheckpoint
+from formats.outputs import Outputs
 from recipes.schema import Recipe, Variant
 
 RECORD = ".done.json"
@@ -71,10 +72,9 @@ def finished(path: Path, key: str, out_dir: Path) -> VariantRow | None:
 
 def record(path: Path, key: str, row: VariantRow) -> None:
     """Write the record under a temporary name and rename it: a crash leaves none, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps({"key": key, "row": row.as_dict()}, indent=1) + "\n")
-    tmp.rename(path)
+    with Outputs() as outputs:
+        outputs.stage(path).write_text(json.dumps({"key": key, "row": row.as_dict()}, indent=1) + "\n")
+        outputs.commit()
 
 
 def _source_digest() -> str:

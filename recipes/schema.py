@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Callable, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from formats.awq import AWQWriter
@@ -28,6 +28,15 @@ from quant.gptq import GPTQSettings
 from quant.kv_cache import KVCacheSpec
 from quant.outliers import OutlierRule
 from quant.types import FORMAT_BITS, InputError, NumberFormat, QuantSpec
+
+
+def _no_nul(path: Path) -> Path:
+    if "\0" in str(path):
+        raise ValueError("a path cannot hold a NUL byte")
+    return path
+
+
+FilePath = Annotated[Path, AfterValidator(_no_nul)]  # a path in a recipe: any the operating system can open
 
 
 class _Strict(BaseModel):
@@ -265,24 +274,24 @@ class Variant(_Strict):
 
 
 class Evaluation(_Strict):
-    text: Path
+    text: FilePath
     window: int = Field(default=512, ge=16, le=32768)
     max_windows: int | None = Field(default=None, ge=1)
 
 
 class Calibration(_Strict):
-    text: Path  # UTF-8 text, or .jsonl with a "text" field per line
+    text: FilePath  # UTF-8 text, or .jsonl with a "text" field per line
     window: int = Field(default=512, ge=16, le=32768)
     max_windows: int = Field(default=128, ge=1)  # drawn at random (with seed) from the whole text
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)  # what torch's generator takes
 
 
 class Recipe(_Strict):
-    model: Path
+    model: FilePath
     evaluation: Evaluation
     calibration: Calibration | None = None
     variants: list[Variant] = Field(min_length=1)
-    output: Path | None = None
+    output: FilePath | None = None
 
     @model_validator(mode="after")
     def _calibrated_variants_need_calibration(self) -> "Recipe":
@@ -299,6 +308,18 @@ class Recipe(_Strict):
         if dupes:
             raise ValueError(f"variant names must be unique, repeated: {', '.join(dupes)}")
         return variants
+
+
+def check_against_model(recipe: Recipe, config: dict) -> None:
+    """Refuse what the model's config.json refutes: a window longer than the model's context."""
+    context = config.get("max_position_embeddings")
+    if not isinstance(context, int):
+        return
+    for part in ("evaluation", "calibration"):
+        settings = getattr(recipe, part)
+        if settings is not None and settings.window > context:
+            raise InputError(f"field '{part}.window': {settings.window} tokens is longer than the context of "
+                             f"{recipe.model} ({context} tokens, max_position_embeddings in its config.json)")
 
 
 def load_recipe(path: Path) -> Recipe:

@@ -17,10 +17,11 @@ from rich.progress import Progress
 from formats.awq import AWQWriter
 from formats.bitsandbytes import BitsAndBytesWriter
 from formats.compressed_tensors import CompressedTensorsWriter
-from formats.gguf import GGUFFileWriter, architecture_of, check_shapes, gguf_name, gguf_order
+from formats.gguf import GGUFFileWriter, architecture_of, gguf_name, gguf_order
 from formats.gptq import GPTQWriter
 from formats.hf import DenseSafetensorsWriter, HFCheckpoint
-from formats.modelfile import write_modelfile
+from formats.modelfile import modelfile_name, write_modelfile
+from formats.outputs import Outputs
 from quant.awq import awq_model
 from quant.ggml import FILE_TYPES, encode, tensor_types
 from quant.gptq_model import gptq_layer, gptq_model, select_modules
@@ -31,6 +32,7 @@ from quant.types import InputError, TensorPayload, dequantized
 from recipes.schema import AWQWeights, GGUFWeights, GPTQWeights, RTNWeights, SourceWeights, Variant
 
 Imatrix = dict[str, np.ndarray]  # HF weight name -> importance per input column
+FOLDER_EXPORTS = ("safetensors", "compressed-tensors", "gptq", "awq", "bitsandbytes")  # each a checkpoint folder
 
 
 @dataclass
@@ -81,7 +83,6 @@ def plan_variant(ckpt: HFCheckpoint, variant: Variant, imatrix: bool = False) ->
         return Plan(names)
     if "gguf" in variant.exports:
         architecture_of(ckpt)
-        check_shapes(ckpt)
         names = [n for n in names if gguf_name(n) is not None]
         names.sort(key=lambda n: gguf_order(gguf_name(n)))
     return Plan(names, tensor_types(weights.type, [(n, ckpt.shape(n)) for n in names], ckpt.config, imatrix))
@@ -96,6 +97,7 @@ def build_variant(
     keep_weights: bool = True,
     gguf_path: Path | None = None,
     calibration: torch.Tensor | None = None,
+    outputs: Outputs | None = None,
 ) -> BuiltVariant:
     """Quantize ``variant`` tensor by tensor into its exports under ``out_dir/<variant name>``.
 
@@ -103,42 +105,29 @@ def build_variant(
     weights are also kept for evaluation (the whole model in float32). Variants fitted on
     calibration text (GPTQ, AWQ) take the token windows in ``calibration``; they are fitted first,
     layer by layer as the layers stream from the checkpoint, and their tensors then stream into
-    the exports like any others.
+    the exports like any others. The files are staged in ``outputs`` and reach their final names
+    when the caller commits it (after scoring the variant, say); without ``outputs`` they are
+    committed here, once all are written.
     """
+    if outputs is None:
+        with Outputs() as own:
+            built = build_variant(ckpt, variant, out_dir, progress, imatrix, keep_weights, gguf_path, calibration, own)
+            own.commit()
+        return built
     plan = plan_variant(ckpt, variant, imatrix is not None)
     progress = progress or Progress(disable=True)
     calibrated = variant.needs_calibration and not isinstance(variant.weights, GGUFWeights)
     fitted, statistics = _fit(ckpt, variant, calibration, progress) if calibrated else ({}, {})
-    vdir = out_dir / variant.name
+    files = export_paths(ckpt, variant, out_dir, gguf_path)
     writers: list = []
-    if "safetensors" in variant.exports:
-        shapes = [(n, ckpt.shape(n)) for n in plan.names]
-        writers.append(DenseSafetensorsWriter(vdir / "safetensors", shapes, torch.float32, ckpt))
-    if "compressed-tensors" in variant.exports:
-        act_order = isinstance(variant.weights, GPTQWeights) and variant.weights.act_order
-        activations = variant.activations.spec if variant.activations else None
-        writers.append(CompressedTensorsWriter(vdir / "compressed-tensors", ckpt, plan.names, plan.quantized,
-                                               variant.weights.spec, activations, act_order))
-    if "gptq" in variant.exports:
-        weights = variant.weights
-        act_order = isinstance(weights, GPTQWeights) and weights.act_order and not weights.static_groups
-        settings = {"damp_percent": weights.damp, "static_groups": weights.static_groups, "true_sequential": True} \
-            if isinstance(weights, GPTQWeights) else {"method": weights.method}
-        writers.append(GPTQWriter(vdir / "gptq", ckpt, plan.names, plan.quantized, weights.spec, act_order, settings))
-    if "awq" in variant.exports:
-        writers.append(AWQWriter(vdir / "awq", ckpt, plan.names, plan.quantized, variant.weights.spec))
-    if "bitsandbytes" in variant.exports:
-        writers.append(BitsAndBytesWriter(vdir / "bitsandbytes", ckpt, plan.names, plan.quantized, variant.weights.spec))
-    if "gguf" in variant.exports:
-        file_type = variant.weights.type
-        dest = gguf_path or vdir / f"{ckpt.path.name}-{file_type}.gguf"
-        gguf_plan = [(n, ckpt.shape(n), plan.ggml_types[n]) for n in plan.names]
-        writers.append(GGUFFileWriter(dest, ckpt, FILE_TYPES[file_type].id, gguf_plan))
-
     state: dict[str, torch.Tensor] = {}
     bits = params = 0.0
     task = progress.add_task(f"{variant.name}: quantize + export", total=len(plan.names))
     try:
+        for export, final in files.items():
+            writer = _writer(export, outputs.stage(final), ckpt, variant, plan, files)
+            if writer is not None:
+                writers.append(writer)
         for name in plan.names:
             payload = fitted.pop(name) if name in fitted else _quantize(ckpt, variant, plan, name, imatrix)
             weights = dequantized(payload) if keep_weights or "safetensors" in variant.exports else None
@@ -150,17 +139,52 @@ def build_variant(
             bits += _bits(payload) * n
             params += n
             progress.advance(task)
-        files = [w.finish() for w in writers]
+        for w in writers:
+            w.finish()
     except BaseException:
         for w in writers:
             w.abort()
         raise
     finally:
         progress.remove_task(task)
-    for f in files:
-        if f.suffix == ".gguf":
-            write_modelfile(f, ckpt)
-    return BuiltVariant(state, files, bits / params, statistics)
+    return BuiltVariant(state, [p for export, p in files.items() if export != "modelfile"], bits / params, statistics)
+
+
+def _writer(export: str, path: Path, ckpt: HFCheckpoint, variant: Variant, plan: Plan, files: dict[str, Path]):
+    """The writer of one export at ``path`` (None for the Modelfile, written here at once)."""
+    weights = variant.weights
+    if export == "safetensors":
+        return DenseSafetensorsWriter(path, [(n, ckpt.shape(n)) for n in plan.names], torch.float32, ckpt)
+    if export == "compressed-tensors":
+        act_order = isinstance(weights, GPTQWeights) and weights.act_order
+        activations = variant.activations.spec if variant.activations else None
+        return CompressedTensorsWriter(path, ckpt, plan.names, plan.quantized, weights.spec, activations, act_order)
+    if export == "gptq":
+        act_order = isinstance(weights, GPTQWeights) and weights.act_order and not weights.static_groups
+        settings = {"damp_percent": weights.damp, "static_groups": weights.static_groups, "true_sequential": True} \
+            if isinstance(weights, GPTQWeights) else {"method": weights.method}
+        return GPTQWriter(path, ckpt, plan.names, plan.quantized, weights.spec, act_order, settings)
+    if export == "awq":
+        return AWQWriter(path, ckpt, plan.names, plan.quantized, weights.spec)
+    if export == "bitsandbytes":
+        return BitsAndBytesWriter(path, ckpt, plan.names, plan.quantized, weights.spec)
+    if export == "gguf":
+        gguf_plan = [(n, ckpt.shape(n), plan.ggml_types[n]) for n in plan.names]
+        return GGUFFileWriter(path, ckpt, FILE_TYPES[weights.type].id, gguf_plan)
+    write_modelfile(path, files["gguf"].name, ckpt)
+    return None
+
+
+def export_paths(ckpt: HFCheckpoint, variant: Variant, out_dir: Path, gguf_path: Path | None = None) -> dict[str, Path]:
+    """Where each of a variant's exports goes, by export name (the GGUF file's Ollama Modelfile as
+    'modelfile'), so a job can check every output path before it starts."""
+    vdir = out_dir / variant.name
+    paths = {export: vdir / export for export in FOLDER_EXPORTS if export in variant.exports}
+    if "gguf" in variant.exports:
+        gguf = gguf_path or vdir / f"{ckpt.path.name}-{variant.weights.type}.gguf"
+        paths["gguf"] = gguf
+        paths["modelfile"] = gguf.with_name(modelfile_name(gguf.name))
+    return paths
 
 
 def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None, progress: Progress) -> tuple[dict[str, TensorPayload], dict[str, dict]]:

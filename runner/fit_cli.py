@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from quant.types import InputError
 from runner.gpus import GIB, resolve_gpu
@@ -75,7 +77,7 @@ def _gib(n: float) -> str:
 def _print_fit(console: Console, r: FitResult) -> None:
     q = r.query
     per = f" per GPU (x{q['gpus']}, tensor parallel)" if q["gpus"] > 1 else ""
-    console.print(f"[bold]{r.model}[/bold]: {r.parameters / 1e9:.2f}B parameters, {r.weights_format} "
+    console.print(f"[bold]{escape(r.model)}[/bold]: {r.parameters / 1e9:.2f}B parameters, {r.weights_format} "
                   f"({r.bits_per_weight:.2f} bits per weight), KV cache {r.kv_cache_dtype}, {q['users']} user(s) x "
                   f"{q['context']:,} tokens on {q['gpu']}{per}, engine {q['engine']}")
     t = Table("memory" + per, "bytes", "", title=None)
@@ -100,7 +102,7 @@ def _print_fit(console: Console, r: FitResult) -> None:
 
 
 def _print_quantizing(console: Console, model: str, m: QuantizingMemory) -> None:
-    t = Table("while quantizing with " + m.method, "memory", title=f"{model}")
+    t = Table("while quantizing with " + m.method, "memory", title=Text(model))
     for part, size in m.breakdown.items():
         t.add_row(part, _gib(size))
     t.add_row("[bold]peak[/bold]", f"[bold]{_gib(m.peak_bytes)}[/bold]")

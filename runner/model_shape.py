@@ -13,7 +13,6 @@ layer keeps (sliding-window layers of Gemma and Mistral hold at most ``window`` 
 from __future__ import annotations
 
 import math
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -89,13 +88,14 @@ def load_model_shape(model: str) -> ModelShape:
     if path.is_file():
         config = _read_config(path)
         shape = shape_from_config(config, path.parent.name if path.name == "config.json" else path.stem)
-        method = (config.get("quantization_config") or {}).get("quant_method")
+        quantization = config.get("quantization_config")
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
         files = sorted(path.parent.glob("*.safetensors")) if path.name == "config.json" else []
         if method and files:  # a quantized checkpoint: its weights are what its files hold
             from formats.hf import read_safetensors_header
 
             stored = {name: info["data_offsets"][1] - info["data_offsets"][0]
-                      for f in files for name, info in read_safetensors_header(f).items()}
+                      for f in files for name, info in read_safetensors_header(f).tensors.items()}
             return replace(shape, stored_bytes=stored, stored_as=f"{method} checkpoint")
         return shape
     if model in preset_names():
@@ -105,19 +105,10 @@ def load_model_shape(model: str) -> ModelShape:
 
 def shape_from_config(config: dict, name: str) -> ModelShape:
     """The shape of a model given its Hugging Face config."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from formats.architecture import meta_model, transformers_config
 
-    fields = {k: v for k, v in config.items() if not k.startswith("_")}
-    model_type = fields.pop("model_type", None)
-    if model_type is None:
-        raise InputError(f"{name}: config has no model_type")
-    try:
-        hf = AutoConfig.for_model(model_type, **fields)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf)
-    except (ValueError, KeyError, TypeError) as e:
-        raise InputError(f"{name}: transformers cannot build model_type '{model_type}' ({str(e).splitlines()[0]})") from None
+    hf = transformers_config(config, name)
+    model = meta_model(hf, name)
     tensors = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
     return ModelShape(
@@ -176,10 +167,9 @@ def _active_intermediate(c) -> int:
 
 
 def _read_config(path: Path) -> dict:
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: not a JSON config ({e})") from None
+    from formats.hf import read_json
+
+    config = read_json(path)
     if not isinstance(config, dict):
         raise InputError(f"{path}: a config.json is a JSON object")
     return config

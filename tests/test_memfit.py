@@ -74,7 +74,7 @@ def test_integer_weights_match_our_own_checkpoint_exports(tmp_path, fmt, export,
     weights = {"method": "rtn", "bits": 4, "symmetric": symmetric, "granularity": "group", "group_size": 64}
     build_variant(HFCheckpoint.open(TINY), Variant.model_validate({"name": "v", "weights": weights, "exports": [export]}),
                   tmp_path, keep_weights=False)
-    header = read_safetensors_header(tmp_path / "v" / export / "model.safetensors")
+    header = read_safetensors_header(tmp_path / "v" / export / "model.safetensors").tensors
     written = sum(t["data_offsets"][1] - t["data_offsets"][0] for t in header.values())
     shape_tensors = 16 * sum(name.endswith(".weight_shape") for name in header)  # compressed-tensors' int64 [2] each
     assert weights_bytes(load_model_shape(str(TINY)), fmt, group_size=64) == written - shape_tensors
@@ -90,7 +90,7 @@ def test_a_quantized_checkpoint_folder_counts_what_its_files_hold(tmp_path, expo
     build_variant(HFCheckpoint.open(TINY), Variant.model_validate({"name": "v", "weights": weights, "exports": [export]}),
                   tmp_path, keep_weights=False)
     folder = tmp_path / "v" / export
-    header = read_safetensors_header(folder / "model.safetensors")
+    header = read_safetensors_header(folder / "model.safetensors").tensors
     shape = load_model_shape(str(folder))
     result = fit(shape, FitQuery("bf16", 128, "fp16", 2048, 1, resolve_gpu("l4"), 1, ENGINES["vllm"]), smallest=False)
     # the weights option does not apply: the files say what they hold, byte for byte
@@ -215,11 +215,11 @@ def test_a_file_that_is_not_gguf_is_refused(monkeypatch, capsys, tmp_path):
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"GGUF" + b"\x00" * 10)  # the magic and then nothing
     code, _, err = quantize_fit(monkeypatch, capsys, fake)
-    assert code == 2 and "model.gguf: not a readable GGUF file" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "model.gguf: not a GGUF file" in err and len(err.strip().splitlines()) == 1
     text = tmp_path / "notes.gguf"
     text.write_text("hello")
     code, _, err = quantize_fit(monkeypatch, capsys, text)
-    assert code == 2 and "notes.gguf: not a readable GGUF file" in err
+    assert code == 2 and "notes.gguf: not a GGUF file" in err
 
 
 def test_smallest_gpu_is_one_the_engine_runs_on():

@@ -12,6 +12,8 @@ import functools
 import multiprocessing
 import os
 import sys
+import threading
+import time
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from importlib import import_module
 
@@ -102,11 +104,26 @@ def _worker_pool() -> Executor:
     workers = max(1, _cores() - 1)
     if sys.platform.startswith("linux"):
         fork = multiprocessing.get_context("fork")
-        return ProcessPoolExecutor(workers, mp_context=fork, initializer=_detach_stdio)
+        return ProcessPoolExecutor(workers, mp_context=fork, initializer=_start_worker, initargs=(os.getpid(),))
     return ThreadPoolExecutor(workers)
 
 
-def _detach_stdio() -> None:
-    """Give a forked worker its own stdout/stderr: the inherited stream objects may carry a lock a
-    parent thread (a progress bar) held at the fork, and a worker flushes its streams on exit."""
+def _start_worker(parent: int) -> None:
+    """Set up a forked worker.
+
+    It gets its own stdout/stderr: the inherited stream objects may carry a lock a parent thread (a
+    progress bar) held at the fork, and a worker flushes its streams on exit. And it dies with its
+    parent: a worker waits on a pipe whose other end it holds itself (fork copies it), so when the
+    parent is killed nothing would ever wake it. A watchdog thread checks twice a second whether
+    the worker has been handed to another parent (the parent is gone) and ends it then. (Linux's
+    parent-death signal would follow the thread that forked, not the process, and the pool may be
+    started by a short-lived thread.)
+    """
     sys.stdout = sys.stderr = open(os.devnull, "w")
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True, name="exit-with-parent").start()
+
+
+def _exit_with(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
