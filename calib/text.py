@@ -18,6 +18,8 @@ def read_text(path: Path) -> str:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise InputError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
     if path.suffix == ".jsonl":
         text = "\n\n".join(_jsonl_texts(path, text))
     if not text.strip():
@@ -34,6 +36,8 @@ def _jsonl_texts(path: Path, content: str) -> list[str]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise InputError(f"{path}: line {number} is not JSON ({e.msg})") from None
+        except RecursionError:
+            raise InputError(f"{path}: line {number} is not JSON (nested too deeply)") from None
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise InputError(f"{path}: line {number} has no string field 'text'")
         texts.append(record["text"])

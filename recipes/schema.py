@@ -335,6 +335,10 @@ def load_recipe(path: Path) -> Recipe:
         raise InputError(f"{path}: malformed YAML{at}: {problem}") from None
     except UnicodeDecodeError:
         raise InputError(f"{path}: not UTF-8 text") from None
+    except RecursionError:
+        raise InputError(f"{path}: malformed YAML: nested too deeply") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
     if not isinstance(data, dict):
         raise InputError(f"{path}: a recipe is a YAML mapping with 'model', 'evaluation' and 'variants'")
     try:

@@ -12,7 +12,8 @@ process. A case fails on:
 - a command slower than ``--slow`` seconds, or a time-out (a hang);
 - after a failed export, any file in its output folder; after any command, a ``.partial`` file;
 - a file that the safetensors library or llama.cpp's own GGUF parser refuses but the command
-  accepted (the differential oracles; llama.cpp's is used where llama-cpp-python is installed).
+  accepted (the differential oracles; llama.cpp's is used where llama-cpp-python is installed);
+- and, once all cases have run, any child process still alive.
 
 Run it long, as the README says: ``python tests/fuzz_inputs.py --cases 5000 --seed 1``. It prints one
 line per failure (the case's seed and mutation, to replay it with ``--only``) and a JSON summary
@@ -404,6 +405,14 @@ def run_case(index: int, seed: int, seeds: dict[str, Path], work: Path, limit: f
     return outcome
 
 
+def _children() -> list[int]:
+    """This process's child processes (every thread's), by pid."""
+    pids = []
+    for task in Path("/proc/self/task").iterdir():
+        pids += [int(p) for p in (task / "children").read_text().split()]
+    return pids
+
+
 def _hang(signum, frame):
     raise Hang()
 
@@ -442,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
         if outcome.problems:
             failed.append(outcome.case)
             print(f"FAIL {outcome.case}: " + " | ".join(outcome.problems), flush=True)
+    strays = _children()
+    if strays:
+        failed.append(f"child processes {strays} still running after the cases")
+        print(f"FAIL {failed[-1]}", flush=True)
     summary = {"cases": len(indices), "failed": len(failed), "commands": len(codes), "accepted": codes.count(0),
                "refused": codes.count(2), "seconds": round(time.perf_counter() - start, 1),
                "slowest_s": round(slowest[0], 3), "slowest": slowest[1], "llama_cpp_oracle": gguf_oracle is not None}

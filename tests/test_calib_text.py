@@ -29,3 +29,10 @@ def test_jsonl_records_are_joined_and_bad_lines_named(tmp_path):
     path.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"content": "x"}) + "\n")
     with pytest.raises(InputError, match=r"c.jsonl: line 2 has no string field 'text'"):
         read_text(path)
+
+
+def test_a_deeply_nested_jsonl_line_is_named(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"text": "ok"}) + "\n" + "[" * 100000 + "]" * 100000 + "\n")
+    with pytest.raises(InputError, match=r"c.jsonl: line 2 is not JSON \(nested too deeply\)"):
+        read_text(path)

@@ -68,6 +68,10 @@ def test_malformed_yaml(monkeypatch, capsys, tmp_path):
     run_bad(monkeypatch, capsys, tmp_path, "model: [unclosed\nvariants: {", "bad.yaml", "malformed YAML", "line")
 
 
+def test_recipe_nested_too_deeply(monkeypatch, capsys, tmp_path):
+    run_bad(monkeypatch, capsys, tmp_path, "model: " + "[" * 5000 + "]" * 5000 + "\n", "bad.yaml", "nested too deeply")
+
+
 def test_recipe_that_is_not_a_mapping(monkeypatch, capsys, tmp_path):
     run_bad(monkeypatch, capsys, tmp_path, "- just\n- a list\n", "bad.yaml", "mapping")
 
