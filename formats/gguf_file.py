@@ -92,6 +92,8 @@ class _Parser:
         short = self.pos + n - len(self.data)
         if short > 0:
             self.data += self.file.read(max(short, len(self.data), 1 << 16))
+            if len(self.data) < self.pos + n:
+                raise self.fail("the file shrank while it was being read")
 
     def fail(self, what: str) -> InputError:
         return InputError(f"{self.path}: damaged GGUF file: {what}")

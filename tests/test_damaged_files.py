@@ -10,6 +10,7 @@ import json
 import shutil
 import struct
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -163,7 +164,7 @@ def small_model(tmp_path_factory):
     return folder
 
 
-def damaged(small_model, tmp_path, change) -> "Path":
+def damaged(small_model, tmp_path, change) -> Path:
     """A copy of the small model whose safetensors header went through ``change(header dict)``
     (or whose raw header bytes are ``change``'s result, when it returns bytes)."""
     folder = tmp_path / "model"
@@ -239,7 +240,7 @@ def test_an_empty_header_stops_export_before_any_file(monkeypatch, capsys, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
-def resaved(small_model, tmp_path, change) -> "Path":
+def resaved(small_model, tmp_path, change) -> Path:
     """A copy of the small model whose tensors went through ``change(state dict)``, saved by the
     safetensors library (a valid file whose tensors are not what the config says)."""
     from safetensors.torch import load_file, save_file

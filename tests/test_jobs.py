@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BUNDLED, REPO, SMALL_RECIPE, TINY, write_recipe
+from conftest import REPO, SMALL_RECIPE, TINY, write_recipe
 from test_cli import assert_user_error, quantize
 
 
