@@ -192,6 +192,10 @@ def _set(header, key, value, name=first):
     header[name(header)][key] = value
 
 
+def _swap_offsets(header, a: str, b: str) -> None:
+    header[a]["data_offsets"], header[b]["data_offsets"] = header[b]["data_offsets"], header[a]["data_offsets"]
+
+
 SAFETENSORS_DAMAGE = {
     "deep nesting": (lambda h: json.dumps(h).encode()[:-1] + b', "x": ' + b"[" * 100000 + b"]" * 100000 + b"}",
                      "not UTF-8 JSON"),
@@ -204,6 +208,8 @@ SAFETENSORS_DAMAGE = {
     "offsets strings": (lambda h: _set(h, "data_offsets", ["0", "16"]), 'has data_offsets ["0", "16"]'),
     "offsets floats": (lambda h: _set(h, "data_offsets", [0.0, 16.0]), "not two non-negative integers"),
     "offsets reversed": (lambda h: _set(h, "data_offsets", h[first(h)]["data_offsets"][::-1]), "before it begins"),
+    "offsets out of order": (lambda h: _swap_offsets(h, "model.norm.weight", "model.embed_tokens.weight"),
+                             "has 128 bytes, but its shape [8192, 64] in BF16 needs 1,048,576"),
     "offsets overlapping": (lambda h: _set(h, "data_offsets", [o - 2 for o in h[last(h)]["data_offsets"]], last),
                             "overlaps the tensor before it"),
     "offsets outside the file": (lambda h: _set(h, "data_offsets", [o + 64 for o in h[last(h)]["data_offsets"]], last),
