@@ -17,10 +17,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
 
 from formats.hf import HFCheckpoint
 from formats.sentencepiece_model import read_sentencepiece
-from quant.types import GGMLTensor, InputError
+from quant.types import GGUF_ARCHITECTURES, Architecture, GGMLTensor, InputError
 
-# HF model_type -> llama.cpp architecture (Mistral's dense models are llama to llama.cpp).
-SUPPORTED_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -64,21 +62,13 @@ def gguf_order(name: str) -> tuple[int, str]:
 
 
 def architecture_of(ckpt: HFCheckpoint) -> str:
-    model_type = ckpt.config.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
+    """llama.cpp's architecture for the checkpoint, or one line saying it has none we export."""
+    if ckpt.arch.gguf_arch is None:
         raise InputError(
-            f"{ckpt.path}: model_type '{model_type}' ({ckpt.architecture}) is not supported for GGUF export "
-            f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
+            f"{ckpt.path}: model_type '{ckpt.arch.model_type}' ({ckpt.architecture}) is not supported for GGUF export "
+            f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})"
         )
-    return SUPPORTED_ARCHITECTURES[model_type]
-
-
-def interleaves_rope_pairs(config: dict) -> bool:
-    """Whether llama.cpp keeps each attention head's query/key channels with rotary pairs side by
-    side (its "normal" rope, for the llama architecture), where transformers keeps the two halves
-    apart: our converter then permutes the q/k rows, and a quantized KV cache sees its blocks of
-    keys in that order."""
-    return SUPPORTED_ARCHITECTURES.get(config.get("model_type")) == "llama"
+    return ckpt.arch.gguf_arch
 
 
 class GGUFFileWriter:
@@ -87,20 +77,19 @@ class GGUFFileWriter:
 
     def __init__(self, path: Path, ckpt: HFCheckpoint, file_type_id: int, plan: list[tuple[str, tuple[int, ...], str]]):
         self.path = path
-        self.arch = architecture_of(ckpt)
-        self.config = ckpt.config
+        self.arch = ckpt.arch
         self._order = [hf for hf, _, _ in plan]
-        writer = GGUFWriter(None, self.arch)
+        writer = GGUFWriter(None, architecture_of(ckpt))
         writer.add_name(ckpt.path.name)
         writer.add_file_type(file_type_id)
         writer.add_quantization_version(2)
-        _add_hparams(writer, self.arch, ckpt.config)
+        _add_hparams(writer, self.arch)
         try:
             _add_tokenizer(writer, ckpt)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:  # a damaged tokenizer file
             raise InputError(f"{ckpt.path}: the tokenizer files are not a tokenizer this converter reads "
                              f"({type(e).__name__}: {str(e)[:80]})") from None
-        generated = _generated_tensors(ckpt.config)
+        generated = _generated_tensors(self.arch)
         for name, data in generated.items():  # first, as llama.cpp's converter writes them
             writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes)
         for hf_name, shape, ggml_type in plan:
@@ -119,11 +108,8 @@ class GGUFFileWriter:
             raise RuntimeError(f"tensor '{hf_name}' arrived out of plan order (expected '{self._order[self._next]}')")
         self._next += 1
         raw = payload.raw
-        if hf_name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")) and interleaves_rope_pairs(self.config):
-            heads = self.config["num_attention_heads"]
-            if ".k_proj." in hf_name:
-                heads = self.config.get("num_key_value_heads", heads)
-            raw = _permute_rows(raw, heads)
+        if hf_name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")) and self.arch.rope_pairs_adjacent_in_gguf:
+            raw = _permute_rows(raw, self.arch.kv_heads[0] if ".k_proj." in hf_name else self.arch.heads)
         self._writer.write_tensor_data(np.ascontiguousarray(raw))
 
     def finish(self) -> Path:
@@ -153,56 +139,31 @@ def _permute_rows(raw: np.ndarray, heads: int) -> np.ndarray:
     return raw.reshape(heads, 2, head_dim // 2, *raw.shape[1:]).swapaxes(1, 2).reshape(raw.shape)
 
 
-def _rope(config: dict) -> tuple[float, dict]:
-    """rope_theta and the rope-scaling settings, wherever this config's transformers version keeps them."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise InputError(f"config.json: rope_parameters is {str(rope)[:40]}, not an object")
-    return _positive(rope.get("rope_theta", config.get("rope_theta", 10000.0)), "rope_theta"), rope
-
-
-def _positive(value: object, key: str) -> float:
-    """A config.json number llama.cpp needs, checked: finite and above zero."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise InputError(f"config.json: {key} is {str(value)[:40]}; GGUF export needs a positive number there")
-    return float(value)
-
-
-def _head_dim(config: dict) -> int:
-    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-
-
-def _add_hparams(writer: GGUFWriter, arch: str, config: dict) -> None:
-    hidden = config["hidden_size"]
-    heads = config["num_attention_heads"]
-    head_dim = _head_dim(config)
-    rope_theta, rope = _rope(config)
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if "max_position_embeddings" not in config or "rms_norm_eps" not in config:
-        raise InputError("config.json: GGUF export needs max_position_embeddings and rms_norm_eps")
-    if rope_type == "linear":
+def _add_hparams(writer: GGUFWriter, arch: Architecture) -> None:
+    rope = arch.rope
+    if rope.scaling == "linear":
         writer.add_rope_scaling_type("linear")
-        writer.add_rope_scaling_factor(_positive(rope.get("factor"), "rope factor"))
-    elif rope_type == "llama3" and arch != "llama":
+        writer.add_rope_scaling_factor(rope.factor)
+    elif rope.scaling == "llama3" and arch.gguf_arch != "llama":
         raise InputError("config.json: rope type 'llama3' is only supported for llama models in GGUF export")
-    elif rope_type not in ("default", "llama3", None):  # llama3: the rope_freqs tensor carries it
-        raise InputError(f"config.json: rope type '{rope_type}' is not supported for GGUF export yet (supported: default, linear, llama3)")
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(config.get("num_key_value_heads", heads))
-    writer.add_layer_norm_rms_eps(_positive(config["rms_norm_eps"], "rms_norm_eps"))
-    writer.add_rope_freq_base(rope_theta)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_vocab_size(config["vocab_size"])
-    if config.get("head_dim"):
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
+    elif rope.scaling not in ("default", "llama3"):  # llama3: the rope_freqs tensor carries it
+        raise InputError(f"config.json: rope type '{rope.scaling}' is not supported for GGUF export yet (supported: default, linear, llama3)")
+    writer.add_context_length(arch.max_context)
+    writer.add_embedding_length(arch.hidden)
+    writer.add_block_count(arch.layers)
+    writer.add_feed_forward_length(arch.intermediate)
+    writer.add_head_count(arch.heads)
+    writer.add_head_count_kv(arch.kv_heads[0])
+    writer.add_layer_norm_rms_eps(arch.norm_eps)
+    writer.add_rope_freq_base(rope.theta)
+    writer.add_rope_dimension_count(rope.dims)
+    writer.add_vocab_size(arch.vocab)
+    if arch.explicit_head_dim:  # as llama.cpp's converter: only where config.json gives head_dim
+        writer.add_key_length(arch.head_dim)
+        writer.add_value_length(arch.value_dim)
 
 
-def _generated_tensors(config: dict) -> dict[str, np.ndarray]:
+def _generated_tensors(arch: Architecture) -> dict[str, np.ndarray]:
     """Tensors llama.cpp needs that the checkpoint does not hold.
 
     Llama-3.1's rope scaling stretches each rotary frequency by its own factor; llama.cpp reads the
@@ -210,21 +171,16 @@ def _generated_tensors(config: dict) -> dict[str, np.ndarray]:
     config.json at load time): 1 for short wavelengths, ``factor`` for long ones, and a smooth
     blend between ``original_max_position_embeddings / high_freq_factor`` and ``/ low_freq_factor``.
     """
-    theta, rope = _rope(config)
-    if rope.get("rope_type", rope.get("type")) != "llama3":
+    rope = arch.rope
+    if rope.scaling != "llama3":
         return {}
-    dim = _head_dim(config)
-    factor = _positive(rope.get("factor"), "rope factor")
-    low, high = (_positive(rope.get(k, default), k) for k, default in (("low_freq_factor", 1.0), ("high_freq_factor", 4.0)))
-    old_context = _positive(rope.get("original_max_position_embeddings", 8192), "original_max_position_embeddings")
-    if high <= low:
-        raise InputError(f"config.json: rope high_freq_factor {high} must exceed low_freq_factor {low}")
-    freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    low, high, old_context = rope.low_freq_factor, rope.high_freq_factor, rope.original_context
+    freqs = 1.0 / rope.theta ** (np.arange(0, rope.dims, 2, dtype=np.float64) / rope.dims)
     wavelen = 2 * np.pi / freqs
     smooth = (old_context / wavelen - low) / (high - low)
     divisors = np.where(
         wavelen < old_context / high, 1.0,
-        np.where(wavelen > old_context / low, factor, 1.0 / ((1 - smooth) / factor + smooth)),
+        np.where(wavelen > old_context / low, rope.factor, 1.0 / ((1 - smooth) / rope.factor + smooth)),
     )
     return {"rope_freqs.weight": divisors.astype(np.float32)}
 
@@ -273,7 +229,7 @@ def _add_bpe_vocab(writer: GGUFWriter, ckpt: HFCheckpoint, tok: dict, path: Path
     added = {t["id"]: t for t in tok.get("added_tokens", [])}
     for t in added.values():
         vocab[t["content"]] = t["id"]
-    n_vocab = max(ckpt.config["vocab_size"], max(vocab.values()) + 1)
+    n_vocab = max(ckpt.arch.vocab, max(vocab.values()) + 1)
     tokens = [f"[PAD{i}]" for i in range(n_vocab)]
     types = [int(TokenType.UNUSED)] * n_vocab
     for text, i in vocab.items():
@@ -302,7 +258,7 @@ def _add_sentencepiece_vocab(writer: GGUFWriter, ckpt: HFCheckpoint, tok: dict, 
     spm = read_sentencepiece(path)
     if spm.model_type != "bpe":
         raise InputError(f"{path}: SentencePiece {spm.model_type} models are not supported for GGUF export (BPE only)")
-    n_vocab = ckpt.config["vocab_size"]
+    n_vocab = ckpt.arch.vocab
     if len(spm.pieces) > n_vocab:
         raise InputError(f"{path}: {len(spm.pieces)} pieces but config.json has vocab_size {n_vocab}")
     tokens = [f"[PAD{i}]" for i in range(n_vocab)]

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from quant.types import InputError
+
+from formats.architecture import expected_tensors, from_transformers, transformers_config
+from quant.types import Architecture, InputError
 
 _ST_DTYPES = {
     "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
@@ -153,9 +155,10 @@ def _is_usize(value: object) -> bool:
 class HFCheckpoint:
     """A validated Hugging Face model folder whose tensors are read one at a time."""
 
-    def __init__(self, path: Path, config: dict, headers: dict[Path, dict[str, dict]]):
+    def __init__(self, path: Path, config: dict, arch: Architecture, headers: dict[Path, dict[str, dict]]):
         self.path = path
         self.config = config
+        self.arch = arch  # what every stage reads of the model, rather than the raw config
         self._file_of = {name: file for file, header in headers.items() for name in header}
         self._info = {name: info for header in headers.values() for name, info in header.items()}
 
@@ -178,17 +181,17 @@ class HFCheckpoint:
             extra = f" ({', '.join(pickles)} are pickle files, which quantbench never loads)" if pickles else ""
             raise InputError(f"{path}: no *.safetensors weights in the model folder{extra}")
         headers = {f: read_safetensors_header(f).tensors for f in files}
-        ckpt = cls(path, config, headers)
-        ckpt._check_against_config(headers)
+        where = str(config_path)
+        hf = transformers_config(config, where)
+        ckpt = cls(path, config, from_transformers(hf, config, where), headers)
+        ckpt._check_against(hf, headers)
         return ckpt
 
-    def _check_against_config(self, headers: dict[Path, dict[str, dict]]) -> None:
+    def _check_against(self, hf, headers: dict[Path, dict[str, dict]]) -> None:
         """Refuse a folder whose tensors are not the model its config.json describes: every tensor
         the architecture needs, present once, with its shape, in a float dtype, and nothing else
         (but the rotary frequencies old checkpoints carry), so that no conversion or evaluation
         starts on a checkpoint that would fail, or load wrongly, later."""
-        from formats.architecture import expected_tensors
-
         quantization = self.config.get("quantization_config")
         if quantization is not None:
             method = quantization.get("quant_method", "quantized") if isinstance(quantization, dict) else "quantized"
@@ -202,7 +205,7 @@ class HFCheckpoint:
                 seen[name] = file
         if not seen:
             raise InputError(f"{self.path}: the safetensors files hold no tensors")
-        expected, optional = expected_tensors(self.config, str(self.path / "config.json"))
+        expected, optional = expected_tensors(hf, str(self.path / "config.json"))
         missing = [n for n in expected if n not in seen and n not in optional]
         if missing:
             more = f"; {len(missing) - 1} more are missing" if len(missing) > 1 else ""

@@ -255,3 +255,74 @@ class MixedPrecisionTensor:
         index per kept column."""
         out, n_in = self.base.shape
         return self.base.bits_per_weight + (16 * self.dense.numel() + 32 * self.columns.numel()) / (out * n_in)
+
+
+# Hugging Face model_type -> llama.cpp's architecture (Mistral's dense models are llama to llama.cpp).
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary position embedding: base frequency, scaling (transformers' rope_type and its
+    parameters), and how many of a head's channels rotate."""
+
+    theta: float
+    scaling: str = "default"  # default, linear, llama3, yarn, dynamic, ...
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_context: int = 8192  # llama3: original_max_position_embeddings
+    dims: int = 0  # rotated channels per head
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One decoder-only model's shape and conventions, read once from its config.json or GGUF
+    metadata (formats/architecture.py); every module reads this instead of the raw config."""
+
+    model_type: str  # Hugging Face model_type (for a GGUF file: its llama.cpp architecture)
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: tuple[int, ...]  # per layer (0 for a layer without attention)
+    head_dim: int  # query/key channels per head
+    value_dim: int  # value channels per head
+    intermediate: int  # the MLP's width; each expert's, in a mixture of experts
+    vocab: int
+    max_context: int  # 0 where the model does not say
+    norm_eps: float
+    rope: Rope
+    tied_embeddings: bool
+    windows: tuple[int | None, ...]  # per layer: its sliding window, None for global attention
+    qkv_bias: bool = False
+    output_bias: bool = False
+    mlp_bias: bool = False
+    experts: int = 0  # routed experts; 0 for a dense model
+    experts_per_token: int = 0
+    shared_experts: int = 0
+    latent_cache: int | None = None  # multi-head latent attention: values one token caches per layer
+    explicit_head_dim: bool = False  # config.json names head_dim (llama.cpp's converter then writes key_length)
+
+    @property
+    def gguf_arch(self) -> str | None:
+        """llama.cpp's name for this architecture, where quantbench exports GGUF files for it."""
+        return GGUF_ARCHITECTURES.get(self.model_type)  # a GGUF file's own name (llama, qwen2) maps to itself
+
+    @property
+    def rope_pairs_adjacent_in_gguf(self) -> bool:
+        """Whether llama.cpp keeps each head's rotary pairs side by side (its "normal" rope, for the
+        llama architecture) where transformers keeps the two halves apart: our converter then
+        permutes the q/k rows, and a quantized KV cache sees its blocks of keys in that order."""
+        return self.gguf_arch == "llama"
+
+    @property
+    def query_groups(self) -> int:
+        """Query heads per KV head (1 without grouped-query attention)."""
+        kv = max(self.kv_heads)
+        return self.heads // kv if kv else 1
+
+    def cache_values_per_token(self, layer: int) -> int:
+        """Key and value channels one token adds to ``layer``'s cache (a latent vector under MLA)."""
+        if self.latent_cache is not None:
+            return self.latent_cache
+        return self.kv_heads[layer] * (self.head_dim + self.value_dim)

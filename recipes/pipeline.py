@@ -21,7 +21,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from calib.text import sample_windows, token_windows
 from evalsuite.metrics import causal_lm_logprobs, score
 from evalsuite.report import Report, VariantRow, write_report
-from formats.gguf import interleaves_rope_pairs
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
 from formats.outputs import Outputs, check_output_path, folder_lock
 from quant.activations import simulated_activations
@@ -37,7 +36,7 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
     """Run the job into ``out_dir``, which it holds locked for the while (formats/outputs.py)."""
     check_output_path(out_dir, folder=True)
     ckpt = HFCheckpoint.open(recipe.model)
-    check_against_model(recipe, ckpt.config)
+    check_against_model(recipe, ckpt.arch)
     for v in recipe.variants:  # fails fast on any mismatch with the model, and on any path it cannot write
         plan_variant(ckpt, v, getattr(v.weights, "imatrix", False))
         for export, path in export_paths(ckpt, v, out_dir).items():
@@ -132,7 +131,7 @@ def _kv_cache(model: torch.nn.Module, ckpt: HFCheckpoint, variant: Variant) -> A
     """Inside, the model's attention reads its keys and values through the variant's KV cache."""
     if variant.kv_cache is None:
         return nullcontext()
-    return simulated_kv_cache(model, variant.kv_cache.spec, interleaves_rope_pairs(ckpt.config))
+    return simulated_kv_cache(model, variant.kv_cache.spec, ckpt.arch.rope_pairs_adjacent_in_gguf)
 
 
 def _describe(variant: Variant) -> str:

@@ -27,7 +27,7 @@ from quant.awq import AWQSettings
 from quant.gptq import GPTQSettings
 from quant.kv_cache import KVCacheSpec
 from quant.outliers import OutlierRule
-from quant.types import FORMAT_BITS, InputError, NumberFormat, QuantSpec
+from quant.types import FORMAT_BITS, Architecture, InputError, NumberFormat, QuantSpec
 
 
 def _no_nul(path: Path) -> Path:
@@ -310,10 +310,10 @@ class Recipe(_Strict):
         return variants
 
 
-def check_against_model(recipe: Recipe, config: dict) -> None:
+def check_against_model(recipe: Recipe, arch: Architecture) -> None:
     """Refuse what the model's config.json refutes: a window longer than the model's context."""
-    context = config.get("max_position_embeddings")
-    if not isinstance(context, int):
+    context = arch.max_context
+    if not context:
         return
     for part in ("evaluation", "calibration"):
         settings = getattr(recipe, part)

@@ -85,7 +85,7 @@ def plan_variant(ckpt: HFCheckpoint, variant: Variant, imatrix: bool = False) ->
         architecture_of(ckpt)
         names = [n for n in names if gguf_name(n) is not None]
         names.sort(key=lambda n: gguf_order(gguf_name(n)))
-    return Plan(names, tensor_types(weights.type, [(n, ckpt.shape(n)) for n in names], ckpt.config, imatrix))
+    return Plan(names, tensor_types(weights.type, [(n, ckpt.shape(n)) for n in names], ckpt.arch, imatrix))
 
 
 def build_variant(
@@ -212,7 +212,7 @@ def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None, pro
         layers = (tuple(layer) for layer in outliers)
     fitted: dict[str, TensorPayload] = {}
     statistics: dict[str, dict] = {}
-    task = progress.add_task(f"{variant.name}: {_pass_label(variant)} layers", total=ckpt.config.get("num_hidden_layers"))
+    task = progress.add_task(f"{variant.name}: {_pass_label(variant)} layers", total=ckpt.arch.layers)
     try:
         for tensors, stats in layers:
             fitted.update(tensors)

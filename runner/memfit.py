@@ -139,7 +139,7 @@ def weights_bytes(shape: ModelShape, fmt: str, group_size: int = 128) -> int:
     if upper not in FILE_TYPES:
         raise InputError(f"--weights {fmt}: unknown format (one of {', '.join(WEIGHT_FORMATS)})")
     named = [(_rules_name(n, s), s) for n, s in shape.tensors]
-    types = tensor_types(upper, named, shape.config)
+    types = tensor_types(upper, named, shape.arch)
     total = 0
     for name, s in named:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType[types[name]]]

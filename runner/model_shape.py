@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from quant.types import InputError
+from quant.types import Architecture, InputError
 
 PRESETS = Path(__file__).resolve().parent / "presets"
 
@@ -40,20 +40,51 @@ class LayerCache:
 
 @dataclass(frozen=True)
 class ModelShape:
+    """A model's architecture and its real tensor list, and where the file's exact sizes are known."""
+
     name: str
-    config: dict  # the Hugging Face config (for a GGUF file: the fields rebuilt from its metadata)
+    arch: Architecture
     tensors: list[tuple[str, tuple[int, ...]]]  # HF names and shapes; a tied head is listed once
-    layers: list[LayerCache]
-    hidden: int
-    intermediate: int  # per token: a mixture-of-experts layer's active experts together
-    vocab: int
-    heads: int
-    head_dim: int
-    max_context: int
-    expert_fraction: float  # share of the expert tensors one token reads (top-k / experts); 1 if dense
     # a file's tensors, name -> bytes, exactly: a GGUF file, or a quantized checkpoint folder
     stored_bytes: dict[str, int] | None = None
     stored_as: str | None = None  # what holds them: "gguf file", "gptq checkpoint", ...
+
+    @property
+    def layers(self) -> list[LayerCache]:
+        a = self.arch
+        return [LayerCache(a.cache_values_per_token(i), a.windows[i], None if a.latent_cache is not None else a.kv_heads[i])
+                for i in range(a.layers)]
+
+    @property
+    def hidden(self) -> int:
+        return self.arch.hidden
+
+    @property
+    def intermediate(self) -> int:
+        """The MLP width one token's forward pass goes through (its experts together, shared ones included)."""
+        a = self.arch
+        return a.intermediate * (a.experts_per_token + a.shared_experts) if a.experts else a.intermediate
+
+    @property
+    def vocab(self) -> int:
+        return self.arch.vocab
+
+    @property
+    def heads(self) -> int:
+        return self.arch.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.arch.head_dim
+
+    @property
+    def max_context(self) -> int:
+        return self.arch.max_context
+
+    @property
+    def expert_fraction(self) -> float:
+        """The share of the expert tensors one token reads (top-k / experts); 1 for a dense model."""
+        return self.arch.experts_per_token / self.arch.experts if self.arch.experts else 1.0
 
     @property
     def parameters(self) -> int:
@@ -105,65 +136,11 @@ def load_model_shape(model: str) -> ModelShape:
 
 def shape_from_config(config: dict, name: str) -> ModelShape:
     """The shape of a model given its Hugging Face config."""
-    from formats.architecture import meta_model, transformers_config
+    from formats.architecture import from_transformers, meta_model, transformers_config
 
     hf = transformers_config(config, name)
-    model = meta_model(hf, name)
-    tensors = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
-    return ModelShape(
-        name=name,
-        config=text.to_dict(),
-        tensors=tensors,
-        layers=_layer_caches(text),
-        hidden=text.hidden_size,
-        intermediate=_active_intermediate(text),
-        vocab=text.vocab_size,
-        heads=text.num_attention_heads,
-        head_dim=_head_dim(text),
-        max_context=int(getattr(text, "max_position_embeddings", 0) or 0),
-        expert_fraction=_expert_fraction(text),
-    )
-
-
-def _layer_caches(c) -> list[LayerCache]:
-    n = c.num_hidden_layers
-    kv_lora = getattr(c, "kv_lora_rank", None)
-    if kv_lora:  # DeepSeek's multi-head latent attention caches one compressed vector per token
-        return [LayerCache(kv_lora + c.qk_rope_head_dim, None, None)] * n
-    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    values = 2 * kv_heads * _head_dim(c)
-    types = getattr(c, "layer_types", None)
-    window = getattr(c, "sliding_window", None)
-    if types is None:
-        types = ["sliding_attention" if window else "full_attention"] * n
-    return [LayerCache(values, window if t == "sliding_attention" else None, kv_heads) for t in types]
-
-
-def _head_dim(c) -> int:
-    """Query/key width per head (latent attention: its no-rope and rope parts together)."""
-    if getattr(c, "kv_lora_rank", None):
-        return c.qk_nope_head_dim + c.qk_rope_head_dim
-    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-
-
-def _experts(c) -> tuple[int, int]:
-    """(experts, experts per token); (0, 0) for a dense model."""
-    total = getattr(c, "n_routed_experts", None) or getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 0
-    return total, (getattr(c, "num_experts_per_tok", 0) or 0) if total else 0
-
-
-def _expert_fraction(c) -> float:
-    total, active = _experts(c)
-    return active / total if total else 1.0
-
-
-def _active_intermediate(c) -> int:
-    total, active = _experts(c)
-    if not total:
-        return c.intermediate_size
-    per_expert = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
-    return per_expert * (active + (getattr(c, "n_shared_experts", 0) or 0))
+    tensors = [(n, tuple(p.shape)) for n, p in meta_model(hf, name).named_parameters()]
+    return ModelShape(name=name, arch=from_transformers(hf, config, name), tensors=tensors)
 
 
 def _read_config(path: Path) -> dict:

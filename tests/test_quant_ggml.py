@@ -8,7 +8,10 @@ from quant.types import InputError
 
 
 def test_float_and_q8_0_files_keep_norms_in_f32():
-    config = {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
+    from formats.architecture import from_config
+
+    config = from_config({"model_type": "llama", "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                          "hidden_size": 256}, "config")
     tensors = [
         ("model.embed_tokens.weight", (8192, 256)),
         ("model.layers.0.input_layernorm.weight", (256,)),

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from quant.types import Architecture
+
 
 @dataclass(frozen=True)
 class FileType:
@@ -77,11 +79,11 @@ def block_size(ggml_type: str) -> int:
     return GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]][0]
 
 
-def tensor_types(file_type: str, tensors: list[tuple[str, tuple[int, ...]]], config: dict,
+def tensor_types(file_type: str, tensors: list[tuple[str, tuple[int, ...]]], arch: Architecture,
                  has_imatrix: bool = False) -> dict[str, str]:
     """The ggml type of every tensor (by HF name) in a ``file_type`` GGUF file of this model."""
     ft = FILE_TYPES[file_type]
-    model = _Model.of(config)
+    model = _Model.of(arch)
     has_output = any(_role(name, True) == "output" for name, _ in tensors)
     types = {}
     for name, shape in tensors:
@@ -105,14 +107,11 @@ class _Model:
     is_70b: bool  # llama.cpp's LLM_TYPE_70B: 80 layers (llama with GQA, or qwen2)
 
     @staticmethod
-    def of(config: dict) -> _Model:
-        n_layers = config["num_hidden_layers"]
-        heads = config["num_attention_heads"]
-        n_gqa = heads // (config.get("num_key_value_heads") or heads)
-        n_expert = config.get("num_local_experts") or config.get("n_routed_experts") or config.get("num_experts") or 0
-        llama_like = config.get("model_type") in ("llama", "mistral") and n_gqa > 1
-        is_70b = n_layers == 80 and not n_expert and (llama_like or config.get("model_type") == "qwen2")
-        return _Model(n_layers, n_gqa, n_expert, is_70b)
+    def of(arch: Architecture) -> _Model:
+        n_gqa, n_expert = arch.query_groups, arch.experts
+        llama_like = arch.gguf_arch == "llama" and n_gqa > 1
+        is_70b = arch.layers == 80 and not n_expert and (llama_like or arch.gguf_arch == "qwen2")
+        return _Model(arch.layers, n_gqa, n_expert, is_70b)
 
 
 def _role(name: str, has_output: bool) -> str:
