@@ -119,8 +119,8 @@ def main() -> None:
 
     from formats.hf import HFCheckpoint
     from recipes.variants import build_variant, gguf_variant
-    from runner.memfit import ENGINES, kv_bytes_per_sequence, weights_bytes
-    from runner.model_shape import load_model_shape
+    from runner.fit.memfit import ENGINES, kv_bytes_per_sequence, weights_bytes
+    from runner.fit.model_shape import load_model_shape
 
     tmp = Path(tempfile.mkdtemp(prefix="fit_runtime_"))
     folders = {"ref": args.models / "ref", "tiny": REPO / "recipes" / "bundled" / "tiny", "wide": _wide_model(tmp / "wide")}

@@ -67,9 +67,9 @@ def main() -> None:
     from formats.hf import HFCheckpoint
     from gguf_memory import make_checkpoint
     from recipes.variants import build_variant, gguf_variant
-    from runner.gpus import resolve_gpu
-    from runner.memfit import ENGINES, FitQuery, fit
-    from runner.model_shape import load_model_shape
+    from runner.fit.gpus import resolve_gpu
+    from runner.fit.memfit import ENGINES, FitQuery, fit
+    from runner.fit.model_shape import load_model_shape
 
     work = args.keep or Path(tempfile.mkdtemp(prefix="fit_speed_"))
     checkpoint = work / "checkpoint"

@@ -140,7 +140,7 @@ def fit(
     """Will a model fit on a GPU: memory breakdown, how many users, how long a context, how fast."""
     import json
 
-    from runner.fit_cli import fit_command
+    from runner.fit.cli import fit_command
 
     result = fit_command(model, weights, group_size, kv_cache, context, users, gpu, gpus, engine, quantizing)
     if as_json:

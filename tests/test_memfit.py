@@ -11,9 +11,9 @@ from conftest import TINY
 from formats.hf import HFCheckpoint
 from recipes.cli import main
 from recipes.variants import build_variant, gguf_variant
-from runner.gpus import GIB, catalog, resolve_gpu
-from runner.memfit import ENGINES, FitQuery, fit, kv_bytes_per_sequence, kv_bytes_per_token, weights_bytes
-from runner.model_shape import load_model_shape, preset_names, shape_from_config
+from runner.fit.gpus import GIB, catalog, resolve_gpu
+from runner.fit.memfit import ENGINES, FitQuery, fit, kv_bytes_per_sequence, kv_bytes_per_token, weights_bytes
+from runner.fit.model_shape import load_model_shape, preset_names, shape_from_config
 
 JSON_FIELDS = {"weights_bytes", "kv_bytes_per_token", "kv_bytes_total", "total_bytes", "fits", "max_users", "max_context",
                "decode_tokens_per_s_max"}

@@ -56,30 +56,10 @@ class ModelShape:
                 for i in range(a.layers)]
 
     @property
-    def hidden(self) -> int:
-        return self.arch.hidden
-
-    @property
     def intermediate(self) -> int:
         """The MLP width one token's forward pass goes through (its experts together, shared ones included)."""
         a = self.arch
         return a.intermediate * (a.experts_per_token + a.shared_experts) if a.experts else a.intermediate
-
-    @property
-    def vocab(self) -> int:
-        return self.arch.vocab
-
-    @property
-    def heads(self) -> int:
-        return self.arch.heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.arch.head_dim
-
-    @property
-    def max_context(self) -> int:
-        return self.arch.max_context
 
     @property
     def expert_fraction(self) -> float:
@@ -109,7 +89,7 @@ def load_model_shape(model: str) -> ModelShape:
     """``model``: a bundled preset name, a model folder, a config.json, or a GGUF file."""
     path = Path(model)
     if path.suffix == ".gguf" or (path.is_file() and _is_gguf(path)):
-        from runner.gguf_shape import gguf_model_shape
+        from runner.fit.gguf_shape import gguf_model_shape
 
         return gguf_model_shape(path)
     if path.is_dir():

@@ -1,4 +1,4 @@
-"""The GPU catalog (``runner/presets/gpus.json``): memory, memory bandwidth and dense BF16 compute,
+"""The GPU catalog (``runner/fit/presets/gpus.json``): memory, memory bandwidth and dense BF16 compute,
 the three numbers that decide what fits and how fast it can go. ``custom:MEM,BANDWIDTH`` (GiB,
 GB/s) describes any other device."""
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from quant.types import InputError
-from runner.model_shape import PRESETS, suggest_names
+from runner.fit.model_shape import PRESETS, suggest_names
 
 GIB = 1024**3
 

@@ -10,10 +10,10 @@ from rich.table import Table
 from rich.text import Text
 
 from quant.types import InputError
-from runner.gpus import GIB, resolve_gpu
-from runner.memfit import ENGINES, KV_BITS, WEIGHT_FORMATS, FitQuery, FitResult, fit
-from runner.model_shape import load_model_shape
-from runner.quantize_memory import QuantizingMemory, quantizing_memory
+from runner.fit.gpus import GIB, resolve_gpu
+from runner.fit.memfit import ENGINES, KV_BITS, WEIGHT_FORMATS, FitQuery, FitResult, fit
+from runner.fit.model_shape import load_model_shape
+from runner.fit.quantize_memory import QuantizingMemory, quantizing_memory
 
 _LIMITS = {"--context": (1, 10_000_000), "--users": (1, 1_000_000), "--gpus": (1, 4096), "--group-size": (1, 65536)}
 

@@ -4,7 +4,7 @@ Memory on each GPU is weights + KV cache + activations (or llama.cpp's compute b
 runtime's fixed overhead, against the share of the GPU's memory the engine allows itself. Every
 term is shown, so a customer can see why an answer is what it is:
 
-- Weights: the real tensor list of the model (``runner.model_shape``). GGUF file types use
+- Weights: the real tensor list of the model (``runner.fit.model_shape``). GGUF file types use
   llama.cpp's per-tensor type rules (``quant.ggml.rules``), the same that make our GGUF files, so
   Q4_K_M costs what a Q4_K_M file holds (about 4.9 bits per weight with its Q6_K tensors), and a
   GGUF file is counted byte for byte. Integer formats add their scales (and zero points) per group;
@@ -28,8 +28,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from formats.hf import is_linear_weight
 from quant.ggml.rules import FILE_TYPES, tensor_types
 from quant.types import InputError
-from runner.gpus import GIB, GPU, catalog
-from runner.model_shape import ModelShape, is_expert
+from runner.fit.gpus import GIB, GPU, catalog
+from runner.fit.model_shape import ModelShape, is_expert
 
 # Integer weight formats: (bits, scale bits per group, zero-point bits per group, per-input-column
 # index bits). None group: one scale per output channel.
@@ -68,15 +68,15 @@ class Engine:
     def activations(self, shape: ModelShape, users: int, context: int, tensor_parallel: int, element: int = 2) -> int:
         """Peak activation memory per GPU, in bytes. ``element``: bytes per activation value where
         the engine computes in the weights' dtype (transformers: 4 for float32 weights)."""
-        h, vocab = shape.hidden, shape.vocab
+        h, vocab = shape.arch.hidden, shape.arch.vocab
         ff = shape.intermediate / tensor_parallel
-        heads = math.ceil(shape.heads / tensor_parallel)
+        heads = math.ceil(shape.arch.heads / tensor_parallel)
         if self.name == "vllm":
             # the profile run: a batch of max_num_batched_tokens (8192) tokens through one layer at
             # a time in 16-bit (residual, norm, q/k/v, attention out; gate, up and their product),
             # plus float32 logits for max_num_seqs (256) sequences in the sampler
             tokens = 8192
-            per_token = 4 * h + 3 * heads * shape.head_dim + 3 * ff
+            per_token = 4 * h + 3 * heads * shape.arch.head_dim + 3 * ff
             return int(tokens * per_token * 2 + min(users, 256) * vocab * 4)
         if self.name == "llamacpp":
             # the compute buffer of one micro-batch of n_ubatch (512) tokens: the largest of the
@@ -230,7 +230,7 @@ def fit(shape: ModelShape, q: FitQuery, smallest: bool = True) -> FitResult:
         kv_cache_dtype=q.kv_cache, kv_bytes_per_token=per_token, kv_bytes_per_sequence=per_sequence,
         kv_bytes_total=q.users * per_sequence, activation_bytes=activations, overhead_bytes=overhead,
         total_bytes=total, usable_bytes=usable, free_bytes=usable - total, fits=total <= usable,
-        max_users=max_users, max_context=min(max_context, shape.max_context or max_context),
+        max_users=max_users, max_context=min(max_context, shape.arch.max_context or max_context),
         max_context_by_memory=max_context, decode_tokens_per_s_max=one, decode_tokens_per_s_total=every,
         prefill_seconds=prefill, smallest_gpu=None,
         query={"weights": q.weights.lower(), "group_size": q.group_size, "kv_cache": q.kv_cache, "context": q.context,
@@ -299,7 +299,7 @@ def _attention_flops(shape: ModelShape, context: int) -> float:
     per_layer = []
     for layer in shape.layers:
         span = min(context, layer.window or context)
-        per_layer.append(2 * 2 * shape.heads * shape.head_dim * context * span / 2)
+        per_layer.append(2 * 2 * shape.arch.heads * shape.arch.head_dim * context * span / 2)
     return float(sum(per_layer))
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from formats.architecture import from_gguf
 from formats.gguf_file import read_gguf_header
 from quant.types import InputError
-from runner.model_shape import ModelShape
+from runner.fit.model_shape import ModelShape
 
 
 def gguf_model_shape(path: Path) -> ModelShape:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from runner.gpus import GIB
-from runner.model_shape import ModelShape
+from runner.fit.gpus import GIB
+from runner.fit.model_shape import ModelShape
 
 # python, torch, transformers and quantbench imported: measured peak RSS of that process on the
 # project's machine (354 MiB); on a GPU, add the CUDA context.
@@ -45,10 +45,10 @@ def quantizing_memory(shape: ModelShape, method: str, windows: int = 128, window
         return QuantizingMemory(method, sum(parts.values()), parts)
     layer_params = sum(math.prod(s) for _, s in layer_tensors)
     decoder_params = layer_params * len(shape.layers)
-    hidden = windows * window * shape.hidden * _F32
+    hidden = windows * window * shape.arch.hidden * _F32
     inputs = {s[-1] for n, s in layer_tensors if len(s) == 2}
     batch = min(_BATCH, windows)
-    intermediates = batch * window * (shape.heads * window + 3 * shape.intermediate) * _F32
+    intermediates = batch * window * (shape.arch.heads * window + 3 * shape.intermediate) * _F32
     parts = {
         "process": PROCESS_BYTES,
         "layer (float32)": layer_params * _F32,
@@ -59,5 +59,5 @@ def quantizing_memory(shape: ModelShape, method: str, windows: int = 128, window
     }
     if method == "awq":
         # the scale search quantizes the concatenated weights of one group (gate+up) at each step
-        parts["scale search copies"] = 3 * 2 * shape.intermediate * shape.hidden * _F32
+        parts["scale search copies"] = 3 * 2 * shape.intermediate * shape.arch.hidden * _F32
     return QuantizingMemory(method, sum(parts.values()), parts)
