@@ -1,0 +1,239 @@
+"""The engine loop: schedule a step, lay out its batch, run the model, sample, retire what finished.
+
+``Engine`` owns the model, the KV pool, the block manager and the scheduler; ``step()`` advances
+every scheduled sequence by its share of the step and returns the sequences that finished in it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from formats.hf import HFCheckpoint
+from quant.types import InputError
+from runner.engine.block_manager import BlockManager
+from runner.engine.kv_cache import CACHE_DTYPES, KVPool, bytes_per_token
+from runner.engine.model import DecodeBatch, DecoderModel, PrefillBatch, Step
+from runner.engine.sampling import SamplingParams, sample
+from runner.engine.scheduler import Scheduler
+from runner.engine.sequence import Sequence, Status
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+DEFAULT_KV_SHARE = 0.5  # of the memory available when no --kv-memory is given
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's options, under the names the CLI uses (``--dtype``, ``--kv-cache-dtype``, ...).
+
+    ``kv_memory``: bytes for the KV pool, or a share (0 to 1] of the memory available now (after the
+    weights are loaded); ``max_model_len``: the longest sequence, prompt and output (default: the
+    model's context)."""
+
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    kv_memory: float | int | None = None
+    max_model_len: int | None = None
+    seed: int = 0
+
+
+class Engine:
+    def __init__(self, model: str | Path, config: EngineConfig = EngineConfig()):
+        self.config = config
+        for name, value, low in (("block_size", config.block_size, 1), ("max_num_seqs", config.max_num_seqs, 1),
+                                 ("max_num_batched_tokens", config.max_num_batched_tokens, 1)):
+            if not isinstance(value, int) or value < low:
+                raise InputError(f"{name} {value}: must be a whole number of at least {low}")
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.ckpt = HFCheckpoint.open(model)
+        arch = self.arch = self.ckpt.arch
+        dtype = self._dtype(config.dtype, "dtype")
+        self.model = DecoderModel(self.ckpt, dtype, self.device)
+        cache_dtype = dtype if config.kv_cache_dtype == "auto" else self._dtype(config.kv_cache_dtype, "kv_cache_dtype")
+        self.max_model_len = config.max_model_len or arch.max_context
+        if not self.max_model_len or self.max_model_len < 1:
+            raise InputError(f"{self.ckpt.path}: the model states no context length: give max_model_len")
+        if arch.max_context and self.max_model_len > arch.max_context:
+            raise InputError(f"max_model_len {self.max_model_len}: longer than the model's context ({arch.max_context} tokens)")
+        per_block = bytes_per_token(arch, cache_dtype) * config.block_size
+        budget = _budget(config.kv_memory)
+        num_blocks = int(budget // per_block)
+        needed = -(-self.max_model_len // config.block_size)
+        if num_blocks < needed:
+            raise InputError(f"KV memory {budget / 2**20:,.1f} MiB holds {num_blocks} blocks of {config.block_size} tokens; "
+                             f"one sequence of max_model_len {self.max_model_len} needs {needed} "
+                             f"({needed * per_block / 2**20:,.1f} MiB): give more kv_memory or a smaller max_model_len")
+        self.pool = KVPool(arch, num_blocks, config.block_size, cache_dtype, self.device)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos = {t for t in (_as_list(self.ckpt.config.get("eos_token_id"))) if isinstance(t, int)}
+        self._next_id = 0
+        self._seeds = torch.Generator().manual_seed(config.seed)
+        self.peak_blocks = 0
+
+    def _dtype(self, name: str, option: str) -> torch.dtype:
+        if name == "auto":
+            stored = {self.ckpt.dtype(n) for n in self.ckpt.names}
+            return stored.pop() if len(stored) == 1 else torch.float32
+        if name not in DTYPES:
+            raise InputError(f"{option} {name}: one of auto, {', '.join(CACHE_DTYPES)}")
+        return DTYPES[name]
+
+    def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        if not prompt_ids:
+            raise InputError("a prompt needs at least one token")
+        if any(not isinstance(t, int) or not 0 <= t < self.arch.vocab for t in prompt_ids):
+            raise InputError(f"a prompt token id is outside the vocabulary (0..{self.arch.vocab - 1})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InputError(f"a prompt of {len(prompt_ids)} tokens leaves no room in the context of "
+                             f"{self.max_model_len} tokens")
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+            generator = torch.Generator().manual_seed(seed)
+        seq = Sequence(self._next_id, list(prompt_ids), params, generator)
+        self._next_id += 1
+        self.scheduler.add(seq)
+        return seq
+
+    def finish(self, seq: Sequence, reason: str = "abort") -> None:
+        """End a request now (a stop string found, or a client that left): its blocks are freed at once."""
+        if seq.status is not Status.FINISHED:
+            self.scheduler.finish(seq, reason)
+            seq.finished = time.perf_counter()
+
+    @property
+    def unfinished(self) -> bool:
+        return self.scheduler.unfinished
+
+    def step(self) -> list[Sequence]:
+        """Run one step; returns the sequences that finished in it."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            raise InputError("no sequence can be scheduled: the KV pool is smaller than one waiting sequence needs")
+        self.peak_blocks = max(self.peak_blocks, self.blocks.num_blocks - self.blocks.num_free)
+        now = time.perf_counter()
+        for seq, _ in scheduled:
+            seq.first_scheduled = seq.first_scheduled or now
+        step, sampled = self._layout(scheduled)
+        logits = self.model.forward(step, self.pool)
+        for seq, n in scheduled:
+            seq.num_computed += n
+        if not sampled:
+            return []
+        tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled]).tolist()
+        logprobs = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist() \
+            if any(s.params.logprobs is not None for s in sampled) else [None] * len(sampled)
+        finished = []
+        now = time.perf_counter()
+        for seq, token, logprob in zip(sampled, tokens, logprobs):
+            seq.output_ids.append(token)
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(logprob)
+            seq.first_token = seq.first_token or now
+            reason = self._finish_reason(seq, token)
+            if reason:
+                self.scheduler.finish(seq, reason)
+                seq.finished = now
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _layout(self, scheduled: list[tuple[Sequence, int]]) -> tuple[Step, list[Sequence]]:
+        """The step's flat batch: tokens, positions and cache slots of every scheduled token, the
+        decode and prefill attention batches, and which rows are sampled (a sequence's last token
+        once every token it has is computed)."""
+        bs, dev = self.config.block_size, self.device
+        tokens, positions, owners, tables = [], [], [], []
+        sample_rows, sampled = [], []
+        decode, prefill = [], []
+        for i, (seq, n) in enumerate(scheduled):
+            start = len(tokens)
+            tokens += seq.tokens(seq.num_computed, seq.num_computed + n)
+            positions += range(seq.num_computed, seq.num_computed + n)
+            owners += [i] * n
+            tables.append(seq.block_table)
+            (decode if n == 1 else prefill).append((i, start, seq.num_computed + n))
+            if seq.num_computed + n == seq.num_tokens:
+                sample_rows.append(len(tokens) - 1)
+                sampled.append(seq)
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        owner = torch.tensor(owners, dtype=torch.long, device=dev)
+        slots = table[owner, pos // bs] * bs + pos % bs
+        step = Step(torch.tensor(tokens, dtype=torch.long, device=dev), pos, slots,
+                    _decode_batch(decode, table, bs, dev), _prefill_batch(prefill, scheduled, table, bs, dev),
+                    torch.tensor(sample_rows, dtype=torch.long, device=dev))
+        return step, sampled
+
+
+def _decode_batch(decode: list[tuple[int, int, int]], table: torch.Tensor, bs: int, dev) -> DecodeBatch | None:
+    """The blocks every decoding sequence reads: all of its table up to its length."""
+    if not decode:
+        return None
+    seq_index = torch.tensor([d[0] for d in decode], dtype=torch.long, device=dev)
+    length = torch.tensor([d[2] for d in decode], dtype=torch.long, device=dev)
+    counts = -(-length // bs)
+    owner = torch.repeat_interleave(torch.arange(len(decode), device=dev), counts)
+    within = torch.arange(owner.numel(), device=dev) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    return DecodeBatch(rows=torch.tensor([d[1] for d in decode], dtype=torch.long, device=dev),
+                       ids=table[seq_index[owner], within], owner=owner, first=within * bs, length=length)
+
+
+def _prefill_batch(prefill: list[tuple[int, int, int]], scheduled, table: torch.Tensor, bs: int, dev) -> PrefillBatch | None:
+    """Every key of the chunking sequences (their cached prefix and this chunk), and their queries."""
+    if not prefill:
+        return None
+    rows, query_owner, query_pos, key_owner, key_pos = [], [], [], [], []
+    for j, (i, start, end) in enumerate(prefill):
+        n = scheduled[i][1]
+        rows.append(torch.arange(start, start + n))
+        query_owner.append(torch.full((n,), j))
+        query_pos.append(torch.arange(end - n, end))
+        key_owner.append(torch.full((end,), j))
+        key_pos.append(torch.arange(end))
+    owners = torch.tensor([i for i, _, _ in prefill], dtype=torch.long)
+    key_owner_t, key_pos_t = torch.cat(key_owner), torch.cat(key_pos)
+    key_slots = table[owners.to(dev)[key_owner_t.to(dev)], key_pos_t.to(dev) // bs] * bs + key_pos_t.to(dev) % bs
+    return PrefillBatch(rows=torch.cat(rows).to(dev), query_owner=torch.cat(query_owner).to(dev),
+                        query_pos=torch.cat(query_pos).to(dev), key_slots=key_slots,
+                        key_owner=key_owner_t.to(dev), key_pos=key_pos_t.to(dev))
+
+
+def _as_list(value) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def _budget(kv_memory: float | int | None) -> int:
+    """Bytes for the KV pool: as given, or a share of the memory available now."""
+    if kv_memory is not None and (isinstance(kv_memory, bool) or not isinstance(kv_memory, (int, float)) or kv_memory <= 0):
+        raise InputError(f"kv_memory {kv_memory}: bytes, or a share of free memory in (0, 1]")
+    if kv_memory is not None and kv_memory > 1:
+        return int(kv_memory)
+    share = DEFAULT_KV_SHARE if kv_memory is None else kv_memory
+    if torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info()
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        try:
+            meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+            free = int(meminfo["MemAvailable"].split()[0]) * 1024
+        except (OSError, KeyError, ValueError):
+            pass
+    return int(free * share)

@@ -1,0 +1,204 @@
+"""Our forward pass of the Llama family (Llama, Mistral, Qwen2), over a step's flat batch of tokens.
+
+A step's tokens, from every scheduled sequence, run through each layer together as one
+``[tokens, hidden]`` matrix; only attention looks at which sequence a token belongs to, and it
+reads keys and values through the sequences' block tables:
+
+- decode tokens (one new token of a sequence) attend block by block: the blocks of all decoding
+  sequences are gathered into one batch, scored against their sequence's query, and a softmax
+  across each sequence's blocks (a segment max and sum by scatter) combines them, so sequences of
+  different lengths run together without padding to the longest (only a last block is partly
+  empty);
+- prefill chunks (several new tokens of a sequence) attend to the sequence's cached keys and to
+  each other in one masked attention over the chunks of the step, causal within each sequence.
+
+No Python loop over sequences runs inside a layer. Norms and softmax are computed in float32, the
+rest in the weights' dtype, as transformers does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from formats.hf import HFCheckpoint
+from quant.types import Architecture, InputError
+from runner.engine.kv_cache import KVPool
+
+RUNNABLE = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class DecodeBatch:
+    """The step's decoding sequences, as blocks: ``rows`` are their tokens' rows in the step;
+    block ``i`` (``ids[i]``) belongs to decoding sequence ``owner[i]`` and holds keys at positions
+    ``first[i] .. first[i] + block_size - 1``, of which those below ``length[owner[i]]`` exist."""
+
+    rows: torch.Tensor
+    ids: torch.Tensor
+    owner: torch.Tensor
+    first: torch.Tensor
+    length: torch.Tensor  # per decoding sequence: its keys, the new one included
+
+
+@dataclass
+class PrefillBatch:
+    """The step's prefill chunks: ``rows`` are their tokens' rows in the step; ``key_slots`` every
+    key their sequences hold after this step (cached prefix and chunk), ``key_owner``/``key_pos``
+    whose and where each is, ``query_owner``/``query_pos`` the same of each chunk token."""
+
+    rows: torch.Tensor
+    query_owner: torch.Tensor
+    query_pos: torch.Tensor
+    key_slots: torch.Tensor
+    key_owner: torch.Tensor
+    key_pos: torch.Tensor
+
+
+@dataclass
+class Step:
+    """One forward pass: the tokens, their positions and cache slots, the two attention batches,
+    and the rows whose next-token logits are wanted."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    decode: DecodeBatch | None
+    prefill: PrefillBatch | None
+    sample_rows: torch.Tensor
+
+
+def inverse_frequencies(arch: Architecture) -> torch.Tensor:
+    """The rotary frequencies, float32, computed as transformers computes them (default, linear and
+    Llama-3 scaling)."""
+    rope, dim = arch.rope, arch.rope.dims
+    inv = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope.scaling == "default":
+        return inv
+    if rope.scaling == "linear":
+        return inv / rope.factor
+    if rope.scaling == "llama3":
+        low_wavelen, high_wavelen = rope.original_context / rope.low_freq_factor, rope.original_context / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (rope.original_context / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise InputError(f"rope type '{rope.scaling}': the engine runs default, linear and llama3 rope")
+
+
+class DecoderModel:
+    """A causal LM's weights, loaded tensor by tensor from a checkpoint, and its forward pass."""
+
+    def __init__(self, ckpt: HFCheckpoint, dtype: torch.dtype, device: torch.device):
+        arch = ckpt.arch
+        if arch.model_type not in RUNNABLE:
+            raise InputError(f"{ckpt.path}: model_type '{arch.model_type}' is not one the engine runs "
+                             f"(it runs {', '.join(RUNNABLE)})")
+        self.arch, self.dtype, self.device = arch, dtype, device
+
+        def load(name: str) -> torch.Tensor:
+            return ckpt.tensor(name).to(device=device, dtype=dtype)
+
+        def linear(prefix: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+            bias = f"{prefix}.bias"
+            return load(f"{prefix}.weight"), load(bias) if bias in ckpt.names else None
+
+        self.embed = load("model.embed_tokens.weight")
+        self.layers = []
+        for i in range(arch.layers):
+            p = f"model.layers.{i}."
+            self.layers.append({
+                "attn_norm": load(p + "input_layernorm.weight"), "mlp_norm": load(p + "post_attention_layernorm.weight"),
+                **{name: linear(p + module) for name, module in (
+                    ("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"), ("o", "self_attn.o_proj"),
+                    ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"))},
+            })
+        self.norm = load("model.norm.weight")
+        self.lm_head = self.embed if "lm_head.weight" not in ckpt.names else load("lm_head.weight")
+        self.inv_freq = inverse_frequencies(arch).to(device)
+        self.scale = arch.head_dim ** -0.5
+
+    @torch.inference_mode()
+    def forward(self, step: Step, pool: KVPool) -> torch.Tensor:
+        """Next-token logits, float32, for ``step.sample_rows``; writes the step's keys and values."""
+        a = self.arch
+        x = self.embed[step.tokens]
+        cos, sin = self._rotary(step.positions)
+        for index, layer in enumerate(self.layers):
+            h = self._norm(x, layer["attn_norm"])
+            q = _linear(h, layer["q"]).view(-1, a.heads, a.head_dim)
+            k = _linear(h, layer["k"]).view(-1, a.kv_heads[0], a.head_dim)
+            v = _linear(h, layer["v"]).view(-1, a.kv_heads[0], a.value_dim)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            pool.write(index, step.slots, k, v)
+            out = torch.empty(q.shape[0], a.heads, a.value_dim, dtype=torch.float32, device=x.device)
+            window = a.windows[index]
+            if step.decode is not None:
+                out[step.decode.rows] = self._decode_attention(q[step.decode.rows], pool, index, step.decode, window)
+            if step.prefill is not None:
+                out[step.prefill.rows] = self._prefill_attention(q[step.prefill.rows], pool, index, step.prefill, window)
+            x = x + _linear(out.to(x.dtype).flatten(1), layer["o"])
+            h = self._norm(x, layer["mlp_norm"])
+            x = x + _linear(F.silu(_linear(h, layer["gate"])) * _linear(h, layer["up"]), layer["down"])
+        x = self._norm(x[step.sample_rows], self.norm)
+        return F.linear(x, self.lm_head).float()
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm in float32, as transformers' LlamaRMSNorm."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.arch.norm_eps)
+        return weight * h.to(x.dtype)
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), -1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def _decode_attention(self, q: torch.Tensor, pool: KVPool, layer: int, d: DecodeBatch, window: int | None) -> torch.Tensor:
+        a, bs = self.arch, pool.block_size
+        groups = a.heads // a.kv_heads[0]
+        keys, values = pool.blocks(layer, d.ids)  # [blocks, bs, kv, dim]
+        qb = q.float().view(-1, a.kv_heads[0], groups, a.head_dim)[d.owner]  # [blocks, kv, groups, dim]
+        scores = torch.einsum("nkgd,nskd->nkgs", qb, keys.float()) * self.scale
+        pos = d.first[:, None] + torch.arange(bs, device=q.device)  # [blocks, bs]
+        last = d.length[d.owner][:, None] - 1
+        hidden = pos > last
+        if window is not None:
+            hidden |= pos <= last - window
+        scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
+        n = d.length.numel()
+        index = d.owner.view(-1, 1, 1).expand(-1, *scores.shape[1:3])
+        top = torch.full((n, *scores.shape[1:3]), float("-inf"), device=q.device)
+        top.scatter_reduce_(0, index, scores.amax(-1), "amax")
+        weights = torch.exp(scores - top[d.owner][..., None])
+        total = torch.zeros_like(top).index_add_(0, d.owner, weights.sum(-1))
+        out = torch.zeros(n, a.kv_heads[0], groups, a.value_dim, device=q.device)
+        out.index_add_(0, d.owner, torch.einsum("nkgs,nskd->nkgd", weights, values.float()))
+        return (out / total[..., None]).view(n, a.heads, a.value_dim)
+
+    def _prefill_attention(self, q: torch.Tensor, pool: KVPool, layer: int, p: PrefillBatch, window: int | None) -> torch.Tensor:
+        keys, values = pool.slots(layer, p.key_slots)  # [keys, kv, dim]
+        mask = (p.query_owner[:, None] == p.key_owner[None, :]) & (p.key_pos[None, :] <= p.query_pos[:, None])
+        if window is not None:
+            mask &= p.key_pos[None, :] > p.query_pos[:, None] - window
+        out = F.scaled_dot_product_attention(
+            q.float().transpose(0, 1), keys.float().transpose(0, 1), values.float().transpose(0, 1),
+            attn_mask=mask, scale=self.scale, enable_gqa=True,
+        )
+        return out.transpose(0, 1)
+
+
+def _linear(x: torch.Tensor, weight_bias: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    return F.linear(x, *weight_bias)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on ``x`` [tokens, heads, dim] with transformers' half-split pairs."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -1,0 +1,70 @@
+"""What a request asks of generation (``SamplingParams``, as vLLM users know it) and the sampler that
+turns a batch of logits into one token per sequence.
+
+Greedy rows are decided together by one argmax. Sampled rows each draw from their own
+``torch.Generator``, seeded by the request's ``seed`` (or one drawn from the engine's seed): a
+request's tokens depend on its seed alone, never on what else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from quant.types import InputError
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = -1  # -1 (or 0): no limit
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] | str | None = None  # generation ends before the first of these strings
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0 or more: the chosen token's log-probability
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        checks = [
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens {self.max_tokens}: must be 1 or more"),
+            (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < float("inf"),
+             f"temperature {self.temperature}: must be 0 (greedy) or more"),
+            (isinstance(self.top_k, int) and self.top_k >= -1, f"top_k {self.top_k}: must be -1 (no limit) or more"),
+            (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, f"top_p {self.top_p}: must be in (0, 1]"),
+            (self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), f"seed {self.seed}: must be in 0..2^63-1"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop: must be non-empty strings"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids: must be token ids"),
+            (self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), f"logprobs {self.logprobs}: must be 0 or more"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InputError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``logits`` [rows, vocab] (float32), as each row's params say."""
+    tokens = logits.argmax(-1)
+    for row, (p, gen) in enumerate(zip(params, generators)):
+        if p.greedy:
+            continue
+        scores = logits[row] / p.temperature
+        if 0 < p.top_k < scores.numel():
+            kth = torch.topk(scores, p.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, -1)
+        if p.top_p < 1:
+            ordered, order = probs.sort(descending=True)
+            outside = ordered.cumsum(0) - ordered > p.top_p  # the smallest prefix whose mass reaches top_p stays
+            probs = probs.scatter(0, order, ordered.masked_fill(outside, 0.0))
+        tokens[row] = torch.multinomial(probs, 1, generator=gen)[0]
+    return tokens

@@ -1,0 +1,71 @@
+"""One request as the engine carries it: its tokens, how many of them are in the KV cache, the
+cache blocks holding them, and the times that make its latency metrics."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from runner.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted (its cache freed, to be recomputed)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Metrics:
+    """Seconds, all from the request's arrival: queued until first scheduled, to the first token, per
+    later token, end to end."""
+
+    queued_s: float
+    ttft_s: float
+    tpot_s: float
+    e2e_s: float
+
+
+@dataclass
+class Sequence:
+    id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens whose keys and values are in the cache
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (EOS, a stop token or string) or "length"
+    text: str = ""  # the detokenized output, cut before a stop string
+    preemptions: int = 0
+    arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """Tokens ``start .. stop - 1`` of prompt and output together."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n : stop - n]
+        return self.prompt_ids[start:stop] + self.output_ids[: max(0, stop - n)]
+
+    @property
+    def metrics(self) -> Metrics:
+        first, end = self.first_token or self.arrival, self.finished or time.perf_counter()
+        later = len(self.output_ids) - 1
+        return Metrics(
+            queued_s=(self.first_scheduled or self.arrival) - self.arrival,
+            ttft_s=first - self.arrival,
+            tpot_s=(end - first) / later if later > 0 else 0.0,
+            e2e_s=end - self.arrival,
+        )

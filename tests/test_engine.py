@@ -1,0 +1,190 @@
+"""The engine (runner/engine/) against transformers: greedy tokens equal `generate`'s, whatever the
+block size, the prefill chunking or preemption; every block free after every run; the cache's
+bytes per token those of `quantize fit`; sampling reproducible by seed; bad requests refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import EVAL_TEXT, TINY
+from quant.types import InputError
+from runner import LLM, SamplingParams
+
+LENGTHS = [3, 17, 40, 1, 64, 9, 25, 90, 5, 33, 12, 70, 2, 48, 21, 7]  # 16 prompts of mixed lengths
+OUTPUT = 20
+
+
+def random_model(folder, model_type: str, **config):
+    """A random-weight model with peaked next-token distributions (large initial weights), so that
+    greedy decoding is decided by clear margins, and the bundled tokenizer."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=8192, max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=False,
+                bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **(base | config)), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)  # zero at init: make them matter
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY / name, folder)
+    return folder
+
+
+def prompts_from_text(count_lengths=LENGTHS) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(TINY)(EVAL_TEXT.read_text()[:40000])["input_ids"]
+    return [ids[300 * i : 300 * i + n] for i, n in enumerate(count_lengths)]
+
+
+def transformers_greedy(path, prompts, max_tokens=OUTPUT) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    for p in prompts:
+        ids = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                             pad_token_id=0)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def greedy(path, prompts, max_tokens=OUTPUT, **engine) -> tuple[list[list[int]], LLM]:
+    llm = LLM(path, dtype="fp32", **({"kv_memory": 32 * 2**20} | engine))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    assert all(o.finish_reason == "length" and len(o.token_ids) == max_tokens for o in outs)
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks  # every block back
+    return [o.token_ids for o in outs], llm
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    return {
+        "llama-tied": TINY,
+        "llama-untied": random_model(root / "llama", "llama"),
+        "mistral": random_model(root / "mistral", "mistral", sliding_window=24),  # windows shorter than the sequences
+        "qwen2": random_model(root / "qwen2", "qwen2"),  # q/k/v biases
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return prompts_from_text()
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "llama-untied", "mistral", "qwen2"])
+def test_greedy_tokens_equal_transformers_generate(models, prompts, name):
+    ours, _ = greedy(models[name], prompts)
+    assert ours == transformers_greedy(models[name], prompts)
+
+
+@pytest.mark.parametrize("engine", [
+    {"block_size": 1}, {"block_size": 7}, {"block_size": 64},
+    {"max_num_batched_tokens": 8},  # every prompt longer than 8 is prefilled in chunks, beside decoding sequences
+    {"max_num_seqs": 3},
+])
+def test_block_size_chunking_and_batch_limits_change_no_token(models, prompts, engine):
+    reference, _ = greedy(models["llama-untied"], prompts)
+    assert greedy(models["llama-untied"], prompts, **engine)[0] == reference
+
+
+def test_preemption_recomputes_to_the_same_tokens(models, prompts):
+    reference, _ = greedy(models["mistral"], prompts)
+    from runner.engine.kv_cache import bytes_per_token
+
+    llm = LLM(models["mistral"], dtype="fp32", kv_memory=1)  # only to read the cache's size per token
+    per_block = bytes_per_token(llm.engine.arch, torch.float32) * 16
+    ours, llm = greedy(models["mistral"], prompts, kv_memory=12 * per_block, max_model_len=128)  # 12 blocks for 16 prompts
+    assert llm.engine.scheduler.preemptions > 0
+    assert ours == reference
+
+
+def test_the_cache_costs_what_quantize_fit_says(models):
+    from runner.engine.kv_cache import bytes_per_token
+    from runner.fit.memfit import kv_bytes_per_token
+    from runner.fit.model_shape import load_model_shape
+
+    for name in models:
+        shape = load_model_shape(str(models[name]))
+        for dtype, kv in ((torch.float16, "fp16"), (torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+            assert bytes_per_token(shape.arch, dtype) == kv_bytes_per_token(shape, kv, 1)
+    llm = LLM(TINY, kv_memory=8 * 2**20, block_size=16)
+    assert llm.engine.pool.nbytes == llm.engine.blocks.num_blocks * 16 * kv_bytes_per_token(load_model_shape(str(TINY)), "bf16", 1)
+    assert llm.engine.pool.nbytes <= 8 * 2**20
+
+
+def test_sampling_is_reproducible_by_seed_whatever_shares_the_batch(prompts):
+    llm = LLM(TINY, dtype="fp32", kv_memory=16 * 2**20)
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = llm.generate(prompts[1], params)[0].token_ids
+    crowd = llm.generate(prompts[:6], [SamplingParams(max_tokens=12, temperature=1.0, seed=i, ignore_eos=True) for i in range(6)])
+    others = [SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for s in (5, 6)]
+    together = llm.generate([prompts[0], prompts[1], prompts[2]], [others[0], params, others[1]])[1].token_ids
+    assert alone == together and len(alone) == 12
+    other = llm.generate(prompts[1], SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.9, seed=99, ignore_eos=True))
+    assert other[0].token_ids != alone
+    assert len({tuple(o.token_ids) for o in crowd}) == 6
+
+
+def test_stops_finish_reasons_logprobs_and_text(prompts):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    llm = LLM(TINY, dtype="fp32", kv_memory=16 * 2**20)
+    free = llm.generate(prompts[4], SamplingParams(max_tokens=16, temperature=0, logprobs=0, ignore_eos=True))[0]
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompts[4] + free.token_ids])).logits[0, len(prompts[4]) - 1 : -1]
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(free.token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(free.logprobs), expected, atol=1e-4, rtol=0)
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    assert free.text == tokenizer.decode(free.token_ids, skip_special_tokens=True)
+    stop_token = free.token_ids[5]
+    by_token = llm.generate(prompts[4], SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[stop_token], ignore_eos=True))[0]
+    assert by_token.finish_reason == "stop" and by_token.token_ids == free.token_ids[: free.token_ids.index(stop_token) + 1]
+    word = free.text.split()[2]
+    by_string = llm.generate(prompts[4], SamplingParams(max_tokens=16, temperature=0, stop=[word], ignore_eos=True))[0]
+    assert by_string.finish_reason == "stop" and by_string.text == free.text[: free.text.index(word)]
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+    assert free.metrics.ttft_s > 0 and free.metrics.tpot_s > 0 and free.metrics.e2e_s >= free.metrics.ttft_s
+
+
+def test_a_request_ended_early_frees_its_blocks_at_once(prompts):
+    llm = LLM(TINY, dtype="fp32", kv_memory=16 * 2**20)
+    engine = llm.engine
+    seqs = [engine.add(p, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)) for p in prompts[:4]]
+    for _ in range(5):
+        engine.step()
+    free, holds = engine.blocks.num_free, len(seqs[1].block_table)
+    assert holds > 0
+    engine.finish(seqs[1])
+    assert engine.blocks.num_free == free + holds
+    assert seqs[1].finish_reason == "abort" and not seqs[1].block_table
+    while engine.unfinished:
+        engine.step()
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("build, fragment", [
+    (lambda m: LLM(m["gpt2"]), "is not one the engine runs"),
+    (lambda m: LLM(TINY, kv_memory=1024), "one sequence of max_model_len 2048 needs"),
+    (lambda m: LLM(TINY, max_model_len=4096), "longer than the model's context (2048 tokens)"),
+    (lambda m: LLM(TINY, kv_memory=2**20, max_model_len=64).generate([[1] * 64]), "leaves no room in the context of 64"),
+    (lambda m: SamplingParams(max_tokens=0), "max_tokens 0: must be 1 or more"),
+    (lambda m: SamplingParams(top_p=0), "top_p 0"),
+    (lambda m: LLM(TINY, kv_memory=2**20, max_model_len=64).generate([[9000]]), "outside the vocabulary"),
+])
+def test_bad_requests_get_one_line(models, tmp_path, build, fragment):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=256, n_positions=64)).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(InputError) as e:
+        build({**models, "gpt2": tmp_path / "gpt2"})
+    assert fragment in str(e.value) and "\n" not in str(e.value)
