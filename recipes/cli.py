@@ -149,6 +149,91 @@ def fit(
         result.print(stdout)
 
 
+# The engine's options, the same for every command that runs it (generate, bench).
+_DTYPE = typer.Option("auto", "--dtype", help="Weights and activations: auto (the checkpoint's), bf16, fp16, fp32.")
+_KV_DTYPE = typer.Option("auto", "--kv-cache-dtype", help="KV cache: auto (as --dtype), bf16, fp16, fp32.")
+_BLOCK = typer.Option(16, "--block-size", help="Tokens per KV-cache block.")
+_SEQS = typer.Option(256, "--max-num-seqs", help="Most sequences running at once.")
+_TOKENS = typer.Option(2048, "--max-num-batched-tokens", help="Most tokens in one step (decode tokens and prompt chunks).")
+_KV_MEMORY = typer.Option(None, "--kv-memory", help="KV pool: bytes (e.g. 2GiB, 512MiB) or a share of free memory (e.g. 0.3); default 0.5.")
+_MAX_LEN = typer.Option(None, "--max-model-len", help="Longest sequence, prompt and output (default: the model's context).")
+
+
+def _llm(model: Path, dtype: str, kv_cache_dtype: str, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+         kv_memory: Optional[str], max_model_len: Optional[int]):
+    from runner.engine.engine import parse_memory
+    from runner.engine.llm import LLM
+
+    return LLM(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens,
+               parse_memory(kv_memory) if kv_memory is not None else None, max_model_len)
+
+
+@app.command()
+def generate(
+    model: Path = typer.Argument(..., help="A Hugging Face model folder (or a recipe's dense variant export)."),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="The text to continue."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Most tokens to generate."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 for greedy."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(-1, "--top-k"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Makes sampling reproducible."),
+    dtype: str = _DTYPE, kv_cache_dtype: str = _KV_DTYPE, block_size: int = _BLOCK, max_num_seqs: int = _SEQS,
+    max_num_batched_tokens: int = _TOKENS, kv_memory: Optional[str] = _KV_MEMORY, max_model_len: Optional[int] = _MAX_LEN,
+) -> None:
+    """Continue a prompt with the engine, streaming the text to the terminal."""
+    from runner.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    llm = _llm(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, kv_memory, max_model_len)
+    sys.stdout.write(prompt)
+    for piece in llm.stream(prompt, params):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+@app.command()
+def bench(
+    model: Path = typer.Argument(..., help="A Hugging Face model folder (or a recipe's dense variant export)."),
+    requests: int = typer.Option(32, "--requests", help="Requests in the workload."),
+    concurrency: int = typer.Option(8, "--concurrency", help="Requests in flight at once (each finished one is replaced)."),
+    prompt_tokens: str = typer.Option("32,64,128,256", "--prompt-tokens", help="Prompt lengths, in turn."),
+    output_tokens: str = typer.Option("16,64,128,256", "--output-tokens", help="Output lengths, in turn (greedy, EOS ignored)."),
+    text: Optional[Path] = typer.Option(None, "--text", help="Where prompts are cut from (default: the bundled evaluation text)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout (fields in docs/runner.md)."),
+    dtype: str = _DTYPE, kv_cache_dtype: str = _KV_DTYPE, block_size: int = _BLOCK, max_num_seqs: int = _SEQS,
+    max_num_batched_tokens: int = _TOKENS, kv_memory: Optional[str] = _KV_MEMORY, max_model_len: Optional[int] = _MAX_LEN,
+) -> None:
+    """Measure the engine on a fixed workload: TTFT, TPOT, inter-token latency, tokens/s, KV blocks, memory."""
+    import json
+
+    from recipes.pipeline import progress_bar
+    from runner.bench import Workload, run_bench
+
+    workload = Workload(requests, concurrency, _lengths(prompt_tokens, "--prompt-tokens"), _lengths(output_tokens, "--output-tokens"))
+    llm = _llm(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, kv_memory, max_model_len)
+    with progress_bar(console) as progress:
+        task = progress.add_task("requests", total=workload.requests)
+        result = run_bench(llm, text or Path(__file__).parent / "bundled" / "eval.txt", workload, lambda: progress.advance(task))
+    if as_json:
+        print(json.dumps(result.as_dict(), indent=2))
+        return
+    t = Table("", "mean", "median", "p99", title=Text(f"{model}: {result.requests} requests, {concurrency} at a time"))
+    for name, s in (("TTFT", result.ttft_s), ("TPOT", result.tpot_s), ("inter-token", result.itl_s)):
+        t.add_row(name, *(f"{v * 1000:,.1f} ms" for v in (s.mean, s.median, s.p99)))
+    stdout.print(t)
+    stdout.print(f"{result.output_tokens:,} output tokens in {result.seconds:.2f} s: {result.output_tokens_per_s:,.1f} tokens/s, "
+                 f"{result.requests_per_s:.2f} requests/s; KV blocks at peak {result.kv_blocks_peak:,} of "
+                 f"{result.kv_blocks_total:,}; {result.preemptions} preemptions; peak RSS {result.peak_rss_mib:,.0f} MiB")
+
+
+def _lengths(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise InputError(f"{flag} {text}: comma-separated whole numbers, e.g. 32,64,128") from None
+
+
 def main() -> None:
     args = sys.argv[1:]
     commands = {c.name or c.callback.__name__ for c in app.registered_commands}

@@ -188,3 +188,40 @@ def test_bad_requests_get_one_line(models, tmp_path, build, fragment):
     with pytest.raises(InputError) as e:
         build({**models, "gpt2": tmp_path / "gpt2"})
     assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_generate_streams_what_the_engine_returns(monkeypatch, capsys):
+    from test_cli import quantize
+
+    code, out, err = quantize(monkeypatch, capsys, "generate", TINY, "--prompt", "It was a truth", "--max-tokens", "12",
+                              "--dtype", "fp32", "--kv-memory", "16MiB")
+    assert code == 0, err
+    expected = LLM(TINY, dtype="fp32", kv_memory=16 * 2**20).generate("It was a truth", SamplingParams(max_tokens=12, temperature=0))[0]
+    assert out == "It was a truth" + expected.text + "\n"
+
+
+def test_bench_reports_the_workload_it_ran(monkeypatch, capsys):
+    import json
+
+    from test_cli import quantize
+
+    code, out, err = quantize(monkeypatch, capsys, "bench", TINY, "--requests", "6", "--concurrency", "2",
+                              "--prompt-tokens", "8,16", "--output-tokens", "4,6", "--kv-memory", "16MiB", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["requests"] == 6 and result["output_tokens"] == 3 * 4 + 3 * 6
+    assert 0 < result["ttft_s"]["median"] <= result["ttft_s"]["p99"] and result["tpot_s"]["mean"] > 0
+    assert 0 < result["kv_blocks_peak"] <= result["kv_blocks_total"] and result["peak_rss_mib"] > 0
+    assert result["output_tokens_per_s"] == pytest.approx(result["output_tokens"] / result["seconds"])
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["generate", TINY, "--prompt", "x", "--max-tokens", "0"], "max_tokens 0"),
+    (["generate", TINY, "--prompt", "x", "--kv-memory", "lots"], "--kv-memory lots"),
+    (["bench", TINY, "--prompt-tokens", "8,a"], "--prompt-tokens 8,a"),
+    (["bench", TINY, "--requests", "0"], "--requests 0"),
+])
+def test_engine_commands_refuse_bad_options_in_one_line(monkeypatch, capsys, args, fragment):
+    from test_cli import assert_user_error, quantize
+
+    assert_user_error(quantize(monkeypatch, capsys, *args), fragment)

@@ -138,7 +138,7 @@ class Engine:
             seq.output_ids.append(token)
             if seq.params.logprobs is not None:
                 seq.logprobs.append(logprob)
-            seq.first_token = seq.first_token or now
+            seq.token_times.append(now)
             reason = self._finish_reason(seq, token)
             if reason:
                 self.scheduler.finish(seq, reason)
@@ -214,6 +214,20 @@ def _prefill_batch(prefill: list[tuple[int, int, int]], scheduled, table: torch.
     return PrefillBatch(rows=torch.cat(rows).to(dev), query_owner=torch.cat(query_owner).to(dev),
                         query_pos=torch.cat(query_pos).to(dev), key_slots=key_slots,
                         key_owner=key_owner_t.to(dev), key_pos=key_pos_t.to(dev))
+
+
+def parse_memory(text: str) -> float | int:
+    """``--kv-memory``: bytes (``2GiB``, ``512MiB``, ``1e9``) or a share of free memory (``0.3``)."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    t = text.strip().lower()
+    unit = next((u for u in units if t.endswith(u)), None)
+    try:
+        value = float(t[: -len(unit)] if unit else t)
+    except ValueError:
+        raise InputError(f"--kv-memory {text}: bytes (e.g. 2GiB, 512MiB) or a share of free memory (e.g. 0.3)") from None
+    if unit:
+        return int(value * units[unit])
+    return value if value <= 1 else int(value)
 
 
 def _as_list(value) -> list:

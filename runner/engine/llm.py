@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from formats.hf import load_tokenizer
 from runner.engine.engine import Engine, EngineConfig
@@ -41,22 +42,50 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        seqs = [self.engine.add(self._ids(p), sp) for p, sp in zip(prompts, params)]
+        seqs = [self.add(p, sp) for p, sp in zip(prompts, params)]
         while any(s.finish_reason is None for s in seqs):
-            for seq in self.engine.step():
-                self._detokenize(seq)
-            for seq in seqs:  # stop strings end a sequence the moment its text holds one
-                if seq.finish_reason is None and seq.params.stop and self._detokenize(seq):
-                    self.engine.finish(seq, "stop")
-        return [RequestOutput(s.prompt_ids, s.text, s.output_ids, s.finish_reason, s.logprobs if s.params.logprobs is not None else None,
-                              s.metrics) for s in seqs]
+            self.step()
+        return [self.output(s) for s in seqs]
 
-    def _ids(self, prompt: str | list[int]) -> list[int]:
-        return prompt if isinstance(prompt, list) else self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[str]:
+        """The text of one prompt's output as it grows, piece by piece (a stop string cut off)."""
+        seq = self.add(prompt, params or SamplingParams())
+        shown = 0
+        while seq.finish_reason is None:
+            self.step()
+            text = seq.text if seq.finish_reason else self._text(seq)
+            safe = len(text.rstrip("\ufffd")) if seq.finish_reason is None else len(text)  # not half a character
+            if seq.finish_reason is None and seq.params.stop:
+                safe = min(safe, max(0, len(text) - max(len(s) for s in seq.params.stop) + 1))  # not half a stop string
+            if safe > shown:
+                yield text[shown:safe]
+                shown = safe
 
-    def _detokenize(self, seq: Sequence) -> bool:
-        """Set ``seq.text``; cut it before the first stop string and say whether one was found."""
-        seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+    def add(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        ids = prompt if isinstance(prompt, list) else self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        return self.engine.add(ids, params)
+
+    def step(self) -> list[Sequence]:
+        """One engine step; the sequences it finished, those ended by a stop string included."""
+        finished = self.engine.step()
+        for seq in list(self.engine.scheduler.running):
+            if seq.params.stop and self._cut(seq):
+                self.engine.finish(seq, "stop")
+                finished.append(seq)
+        for seq in finished:
+            self._cut(seq)
+        return finished
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(seq.prompt_ids, seq.text, seq.output_ids, seq.finish_reason,
+                             seq.logprobs if seq.params.logprobs is not None else None, seq.metrics)
+
+    def _text(self, seq: Sequence) -> str:
+        return self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+
+    def _cut(self, seq: Sequence) -> bool:
+        """Set ``seq.text``, cut before the first stop string; whether it held one."""
+        seq.text = self._text(seq)
         cuts = [seq.text.find(s) for s in seq.params.stop if s in seq.text]
         if cuts:
             seq.text = seq.text[: min(cuts)]

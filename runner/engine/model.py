@@ -161,10 +161,12 @@ class DecoderModel:
 
     def _decode_attention(self, q: torch.Tensor, pool: KVPool, layer: int, d: DecodeBatch, window: int | None) -> torch.Tensor:
         a, bs = self.arch, pool.block_size
-        groups = a.heads // a.kv_heads[0]
+        kv, groups = a.kv_heads[0], a.heads // a.kv_heads[0]
         keys, values = pool.blocks(layer, d.ids)  # [blocks, bs, kv, dim]
-        qb = q.float().view(-1, a.kv_heads[0], groups, a.head_dim)[d.owner]  # [blocks, kv, groups, dim]
-        scores = torch.einsum("nkgd,nskd->nkgs", qb, keys.float()) * self.scale
+        nb = d.ids.numel()
+        qb = q.to(keys.dtype).view(-1, kv, groups, a.head_dim)[d.owner]  # [blocks, kv, groups, dim]
+        scores = torch.bmm(qb.reshape(nb * kv, groups, a.head_dim), keys.permute(0, 2, 3, 1).reshape(nb * kv, a.head_dim, bs))
+        scores = scores.view(nb, kv, groups, bs).float() * self.scale
         pos = d.first[:, None] + torch.arange(bs, device=q.device)  # [blocks, bs]
         last = d.length[d.owner][:, None] - 1
         hidden = pos > last
@@ -172,13 +174,12 @@ class DecoderModel:
             hidden |= pos <= last - window
         scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
         n = d.length.numel()
-        index = d.owner.view(-1, 1, 1).expand(-1, *scores.shape[1:3])
-        top = torch.full((n, *scores.shape[1:3]), float("-inf"), device=q.device)
-        top.scatter_reduce_(0, index, scores.amax(-1), "amax")
+        index = d.owner.view(-1, 1, 1).expand(-1, kv, groups)
+        top = torch.full((n, kv, groups), float("-inf"), device=q.device).scatter_reduce_(0, index, scores.amax(-1), "amax")
         weights = torch.exp(scores - top[d.owner][..., None])
         total = torch.zeros_like(top).index_add_(0, d.owner, weights.sum(-1))
-        out = torch.zeros(n, a.kv_heads[0], groups, a.value_dim, device=q.device)
-        out.index_add_(0, d.owner, torch.einsum("nkgs,nskd->nkgd", weights, values.float()))
+        weighted = torch.bmm(weights.to(values.dtype).view(nb * kv, groups, bs), values.permute(0, 2, 1, 3).reshape(nb * kv, bs, a.value_dim))
+        out = torch.zeros(n, kv, groups, a.value_dim, device=q.device).index_add_(0, d.owner, weighted.view(nb, kv, groups, -1).float())
         return (out / total[..., None]).view(n, a.heads, a.value_dim)
 
     def _prefill_attention(self, q: torch.Tensor, pool: KVPool, layer: int, p: PrefillBatch, window: int | None) -> torch.Tensor:

@@ -45,8 +45,12 @@ class Sequence:
     preemptions: int = 0
     arrival: float = field(default_factory=time.perf_counter)
     first_scheduled: float | None = None
-    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each output token was sampled
     finished: float | None = None
+
+    @property
+    def first_token(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
 
     @property
     def num_tokens(self) -> int:
