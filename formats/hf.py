@@ -231,7 +231,14 @@ class HFCheckpoint:
         return tuple(self._info[name]["shape"])
 
     def dtype(self, name: str) -> torch.dtype:
-        return _ST_DTYPES[self._info[name]["dtype"]]
+        stored = self._info[name]["dtype"]
+        if stored not in _ST_DTYPES:
+            raise InputError(f"{self._file_of[name]}: tensor '{name}' is {stored}, a dtype quantbench does not read")
+        return _ST_DTYPES[stored]
+
+    def payload(self, name: str) -> torch.Tensor:
+        """What the tensor holds, for readers that also take quantized checkpoints (there: codes)."""
+        return self.tensor(name)
 
     def tensor(self, name: str) -> torch.Tensor:
         """Read one tensor with a plain file read rather than a memory map: pages of a mapped file
@@ -241,7 +248,7 @@ class HFCheckpoint:
         with open(self._file_of[name], "rb") as f:
             f.seek(info["file_offset"])
             data = bytearray(f.read(end - begin))
-        dtype = _ST_DTYPES[info["dtype"]]
+        dtype = self.dtype(name)
         if not data:
             return torch.empty(info["shape"], dtype=dtype)
         return torch.frombuffer(data, dtype=dtype).reshape(info["shape"])

@@ -20,3 +20,12 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     stream = (levels[..., None] >> np.arange(bits, dtype=np.uint8)) & 1  # [rows, padded, bits], low bit first
     words = np.packbits(stream.reshape(rows, -1), axis=-1, bitorder="little").view("<i4")
     return torch.from_numpy(np.ascontiguousarray(words[:, : math.ceil(n * bits / 32)]).astype(np.int32))
+
+
+def unpack_codes(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """The inverse of ``pack_codes``: int32 ``[rows, ceil(n·bits/32)]`` -> uint8 levels ``[rows, n]``."""
+    rows = words.shape[0]
+    stream = np.unpackbits(np.ascontiguousarray(words.numpy().astype("<i4")).view(np.uint8).reshape(rows, -1),
+                           axis=-1, bitorder="little")[:, : n * bits]
+    levels = (stream.reshape(rows, n, bits).astype(np.uint8) << np.arange(bits, dtype=np.uint8)).sum(-1, dtype=np.uint8)
+    return torch.from_numpy(np.ascontiguousarray(levels))

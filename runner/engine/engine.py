@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from formats.hf import HFCheckpoint
+from formats.hf import HFCheckpoint, read_json
+from formats.quantized_checkpoint import QuantizedCheckpoint
 from quant.types import InputError
 from runner.engine.block_manager import BlockManager
 from runner.engine.kv_cache import CACHE_DTYPES, KVPool, bytes_per_token
@@ -23,7 +24,7 @@ from runner.engine.scheduler import Scheduler
 from runner.engine.sequence import Sequence, Status
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
+          "fp16": torch.float16, "float16": torch.float16}  # the options' names and config.json's
 DEFAULT_KV_SHARE = 0.5  # of the memory available when no --kv-memory is given
 
 
@@ -53,7 +54,7 @@ class Engine:
             if not isinstance(value, int) or value < low:
                 raise InputError(f"{name} {value}: must be a whole number of at least {low}")
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.ckpt = HFCheckpoint.open(model)
+        self.ckpt = open_model(Path(model))
         arch = self.arch = self.ckpt.arch
         dtype = self._dtype(config.dtype, "dtype")
         self.model = DecoderModel(self.ckpt, dtype, self.device)
@@ -80,9 +81,9 @@ class Engine:
         self.peak_blocks = 0
 
     def _dtype(self, name: str, option: str) -> torch.dtype:
-        if name == "auto":
-            stored = {self.ckpt.dtype(n) for n in self.ckpt.names}
-            return stored.pop() if len(stored) == 1 else torch.float32
+        if name == "auto":  # the checkpoint's; bf16 for fp16 on a CPU, which computes fp16 slowly
+            stored = DTYPES.get(str(self.ckpt.config.get("dtype") or self.ckpt.config.get("torch_dtype")), torch.float32)
+            return torch.bfloat16 if stored == torch.float16 and self.device.type == "cpu" else stored
         if name not in DTYPES:
             raise InputError(f"{option} {name}: one of auto, {', '.join(CACHE_DTYPES)}")
         return DTYPES[name]
@@ -181,6 +182,25 @@ class Engine:
                     _decode_batch(decode, table, bs, dev), _prefill_batch(prefill, scheduled, table, bs, dev),
                     torch.tensor(sample_rows, dtype=torch.long, device=dev))
         return step, sampled
+
+
+EXPORTS = ("compressed-tensors", "gptq", "safetensors")  # what a recipe's variant folder holds, in the order taken
+
+
+def open_model(path: Path) -> HFCheckpoint | QuantizedCheckpoint:
+    """A float model folder, a quantized checkpoint folder, or a recipe's variant folder (its
+    compressed-tensors export, else its GPTQ export, else its dense one)."""
+    if not (path / "config.json").is_file() and path.is_dir():
+        export = next((path / e for e in EXPORTS if (path / e / "config.json").is_file()), None)
+        if export is None:
+            raise InputError(f"{path}: neither a model folder nor a recipe variant with a "
+                             f"{', '.join(EXPORTS)} export")
+        path = export
+    if (path / "config.json").is_file():
+        config = read_json(path / "config.json")
+        if isinstance(config, dict) and config.get("quantization_config") is not None:
+            return QuantizedCheckpoint.open(path)
+    return HFCheckpoint.open(path)
 
 
 def _decode_batch(decode: list[tuple[int, int, int]], table: torch.Tensor, bs: int, dev) -> DecodeBatch | None:

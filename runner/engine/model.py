@@ -25,8 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from formats.hf import HFCheckpoint
+from formats.quantized_checkpoint import QuantizedCheckpoint
 from quant.types import Architecture, InputError
 from runner.engine.kv_cache import KVPool
+from runner.engine.linear import Linear, make_linear
 
 RUNNABLE = ("llama", "mistral", "qwen2")
 
@@ -94,7 +96,7 @@ def inverse_frequencies(arch: Architecture) -> torch.Tensor:
 class DecoderModel:
     """A causal LM's weights, loaded tensor by tensor from a checkpoint, and its forward pass."""
 
-    def __init__(self, ckpt: HFCheckpoint, dtype: torch.dtype, device: torch.device):
+    def __init__(self, ckpt: HFCheckpoint | QuantizedCheckpoint, dtype: torch.dtype, device: torch.device):
         arch = ckpt.arch
         if arch.model_type not in RUNNABLE:
             raise InputError(f"{ckpt.path}: model_type '{arch.model_type}' is not one the engine runs "
@@ -104,9 +106,9 @@ class DecoderModel:
         def load(name: str) -> torch.Tensor:
             return ckpt.tensor(name).to(device=device, dtype=dtype)
 
-        def linear(prefix: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def linear(prefix: str) -> Linear:
             bias = f"{prefix}.bias"
-            return load(f"{prefix}.weight"), load(bias) if bias in ckpt.names else None
+            return make_linear(ckpt.payload(f"{prefix}.weight"), ckpt.tensor(bias) if bias in ckpt.names else None, dtype, device)
 
         self.embed = load("model.embed_tokens.weight")
         self.layers = []
@@ -131,9 +133,9 @@ class DecoderModel:
         cos, sin = self._rotary(step.positions)
         for index, layer in enumerate(self.layers):
             h = self._norm(x, layer["attn_norm"])
-            q = _linear(h, layer["q"]).view(-1, a.heads, a.head_dim)
-            k = _linear(h, layer["k"]).view(-1, a.kv_heads[0], a.head_dim)
-            v = _linear(h, layer["v"]).view(-1, a.kv_heads[0], a.value_dim)
+            q = layer["q"](h).view(-1, a.heads, a.head_dim)
+            k = layer["k"](h).view(-1, a.kv_heads[0], a.head_dim)
+            v = layer["v"](h).view(-1, a.kv_heads[0], a.value_dim)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             pool.write(index, step.slots, k, v)
             out = torch.empty(q.shape[0], a.heads, a.value_dim, dtype=torch.float32, device=x.device)
@@ -142,9 +144,9 @@ class DecoderModel:
                 out[step.decode.rows] = self._decode_attention(q[step.decode.rows], pool, index, step.decode, window)
             if step.prefill is not None:
                 out[step.prefill.rows] = self._prefill_attention(q[step.prefill.rows], pool, index, step.prefill, window)
-            x = x + _linear(out.to(x.dtype).flatten(1), layer["o"])
+            x = x + layer["o"](out.to(x.dtype).flatten(1))
             h = self._norm(x, layer["mlp_norm"])
-            x = x + _linear(F.silu(_linear(h, layer["gate"])) * _linear(h, layer["up"]), layer["down"])
+            x = x + layer["down"](F.silu(layer["gate"](h)) * layer["up"](h))
         x = self._norm(x[step.sample_rows], self.norm)
         return F.linear(x, self.lm_head).float()
 
@@ -192,10 +194,6 @@ class DecoderModel:
             attn_mask=mask, scale=self.scale, enable_gqa=True,
         )
         return out.transpose(0, 1)
-
-
-def _linear(x: torch.Tensor, weight_bias: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
-    return F.linear(x, *weight_bias)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

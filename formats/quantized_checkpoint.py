@@ -1,0 +1,168 @@
+"""Quantized checkpoint folders read back: each quantized Linear as the codes, scales and zero-points
+it holds (a ``QuantizedTensor``), every other tensor as it is.
+
+Two layouts, the inverses of our writers (formats/compressed_tensors.py, formats/gptq.py):
+compressed-tensors ``pack-quantized`` (integer weights by group or channel) and GPTQ (the AutoGPTQ
+layout, v1 and v2, with ``g_idx``). The folder is checked as a float one is: its config's model
+must have every tensor, each quantized Linear stored in its format's tensors of the shapes the
+config implies, and nothing else. So the engine can run a variant on its real low-bit weights,
+and what it runs is exactly what was written.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from formats.architecture import expected_tensors, from_transformers, transformers_config
+from formats.hf import HFCheckpoint, read_json, read_safetensors_header
+from formats.packing import unpack_codes
+from quant.types import InputError, QuantizedTensor, QuantSpec, TensorPayload
+
+
+class QuantizedCheckpoint:
+    """A checked GPTQ or compressed-tensors folder. ``names`` are the model's tensors, as a float
+    checkpoint of it would name them; ``payload(name)`` gives a quantized weight's codes, and
+    ``tensor(name)`` any tensor in float32 (dequantized where quantized)."""
+
+    def __init__(self, files: HFCheckpoint, spec: QuantSpec, method: str, quantized: set[str], names: list[str]):
+        self.path, self.config, self.arch = files.path, files.config, files.arch
+        self.spec, self.method, self.quantized, self.names = spec, method, quantized, names
+        self._files = files
+
+    @property
+    def architecture(self) -> str:
+        return self._files.architecture
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "QuantizedCheckpoint":
+        path = Path(path)
+        config = read_json(path / "config.json") if (path / "config.json").is_file() else None
+        if not isinstance(config, dict) or not isinstance(config.get("quantization_config"), dict):
+            raise InputError(f"{path}: not a quantized checkpoint (no quantization_config in config.json)")
+        q = config["quantization_config"]
+        config = {k: v for k, v in config.items() if k != "quantization_config"}
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise InputError(f"{path}: no *.safetensors weights in the checkpoint folder")
+        headers = {f: read_safetensors_header(f).tensors for f in files}
+        where = str(path / "config.json")
+        hf = transformers_config(config, where)
+        raw = HFCheckpoint(path, config, from_transformers(hf, config, where), headers)
+        spec, method = _scheme(q, where)
+        expected, optional = expected_tensors(hf, where)
+        stored = set(raw.names)
+        marker = {"gptq": ".qweight", "compressed-tensors": ".weight_packed"}[method]
+        quantized = {f"{n.removesuffix(marker)}.weight" for n in stored if n.endswith(marker)}
+        needed = set()
+        for name, shape in expected.items():
+            if name in quantized:
+                needed |= _check_stored(raw, method, spec, name, shape)
+            elif name in stored:
+                if raw.shape(name) != shape:
+                    raise InputError(f"{path}: tensor '{name}' has shape {list(raw.shape(name))}, the config gives {list(shape)}")
+                needed.add(name)
+            elif name not in optional:
+                raise InputError(f"{path}: no tensor '{name}' in the checkpoint ({raw.architecture} needs it)")
+        extra = sorted(stored - needed)
+        if extra:
+            raise InputError(f"{path}: tensor '{extra[0]}' is not part of the {method} checkpoint of the "
+                             f"{raw.architecture} that config.json describes")
+        return cls(raw, spec, method, quantized, [n for n in expected if n in quantized or n in stored])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.quantized:
+            module = name.removesuffix(".weight")
+            return tuple(self._files.tensor(f"{module}.weight_shape").tolist()) if self.method == "compressed-tensors" \
+                else (self._files.shape(f"{module}.scales")[1], self._files.shape(f"{module}.g_idx")[0])
+        return self._files.shape(name)
+
+    def payload(self, name: str) -> TensorPayload:
+        if name not in self.quantized:
+            return self._files.tensor(name)
+        module = name.removesuffix(".weight")
+        read = self._files.tensor
+        bits, out, n_in = self.spec.bits, *self.shape(name)
+        if self.method == "compressed-tensors":
+            codes = unpack_codes(read(f"{module}.weight_packed"), bits, n_in)
+            scales = read(f"{module}.weight_scale").float()
+            zeros = torch.full_like(scales, 2 ** (bits - 1)) if self.spec.symmetric else \
+                unpack_codes(read(f"{module}.weight_zero_point").T.contiguous(), bits, out).T.float()
+            return QuantizedTensor(self.spec, codes, scales, zeros)
+        codes = unpack_codes(read(f"{module}.qweight").T.contiguous(), bits, n_in)
+        scales = read(f"{module}.scales").T.float().contiguous()
+        zeros = unpack_codes(read(f"{module}.qzeros"), bits, out).T.to(torch.int16)
+        if self.spec.symmetric:  # v1 stores each zero-point minus one
+            zeros = (zeros + 1) % 2**bits
+        g_idx = read(f"{module}.g_idx").to(torch.int32)
+        groups = scales.shape[1]
+        plain = torch.arange(n_in, dtype=torch.int32) // (n_in // groups)
+        return QuantizedTensor(self.spec, codes, scales, zeros.float().contiguous(), None if torch.equal(g_idx, plain) else g_idx)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        payload = self.payload(name)
+        return payload.dequantize() if isinstance(payload, QuantizedTensor) else payload.float()
+
+    def dtype(self, name: str) -> torch.dtype:
+        return torch.float32 if name in self.quantized else self._files.dtype(name)
+
+
+def _scheme(q: dict, where: str) -> tuple[QuantSpec, str]:
+    """The weights' spec and the layout, from the quantization_config."""
+    method = q.get("quant_method")
+    try:
+        if method == "gptq":
+            if q.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
+                raise ValueError(f"checkpoint_format {q.get('checkpoint_format')!r}")
+            group = q.get("group_size", -1)
+            spec = QuantSpec(q["bits"], bool(q.get("sym", True)), "channel" if group in (-1, None) else "group",
+                             None if group in (-1, None) else group)
+            if q.get("checkpoint_format", "gptq") == "gptq" and not spec.symmetric:
+                raise ValueError("asymmetric weights in checkpoint_format gptq (v1 cannot hold them)")
+            return spec, "gptq"
+        if method == "compressed-tensors":
+            if q.get("format") != "pack-quantized":
+                raise ValueError(f"format {q.get('format')!r} (the engine reads pack-quantized)")
+            groups = q.get("config_groups") or {}
+            if len(groups) != 1:
+                raise ValueError("more than one config group")
+            w = next(iter(groups.values()))["weights"]
+            if w.get("type") != "int" or w.get("strategy") not in ("group", "channel"):
+                raise ValueError(f"{w.get('type')} weights by {w.get('strategy')}")
+            return QuantSpec(w["num_bits"], bool(w.get("symmetric", True)), w["strategy"], w.get("group_size")), "compressed-tensors"
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise InputError(f"{where}: a {method} quantization_config this reader does not take ({e})") from None
+    raise InputError(f"{where}: quant_method {method!r}: the readable quantized checkpoints are gptq and "
+                     "compressed-tensors (pack-quantized)")
+
+
+def _check_stored(raw: HFCheckpoint, method: str, spec: QuantSpec, name: str, shape: tuple[int, ...]) -> set[str]:
+    """The stored tensors of one quantized weight ``[out, in]``, checked to be of the shapes and
+    dtypes its format gives; returns their names."""
+    module, (out, n_in), bits = name.removesuffix(".weight"), shape, spec.bits
+    groups = n_in // spec.group_size if spec.granularity == "group" else 1
+    if spec.granularity == "group" and n_in % spec.group_size:
+        raise InputError(f"{raw.path}: group_size {spec.group_size} does not divide the {n_in} inputs of '{module}'")
+    if method == "compressed-tensors":
+        layout = {f"{module}.weight_packed": (torch.int32, (out, math.ceil(n_in * bits / 32))),
+                  f"{module}.weight_scale": (None, (out, groups)), f"{module}.weight_shape": (torch.int64, (2,))}
+        if not spec.symmetric:
+            layout[f"{module}.weight_zero_point"] = (torch.int32, (math.ceil(out * bits / 32), groups))
+    else:
+        layout = {f"{module}.qweight": (torch.int32, (math.ceil(n_in * bits / 32), out)),
+                  f"{module}.qzeros": (torch.int32, (groups, math.ceil(out * bits / 32))),
+                  f"{module}.scales": (None, (groups, out)), f"{module}.g_idx": (torch.int32, (n_in,))}
+    for stored, (dtype, expected) in layout.items():
+        if stored not in raw.names:
+            raise InputError(f"{raw.path}: no tensor '{stored}' for the quantized weight '{name}'")
+        if raw.shape(stored) != expected or (dtype is not None and raw.dtype(stored) != dtype) or \
+                (dtype is None and not raw.dtype(stored).is_floating_point):
+            raise InputError(f"{raw.path}: tensor '{stored}' is {raw.dtype(stored)} {list(raw.shape(stored))}; "
+                             f"its {method} layout needs {dtype or 'a float'} {list(expected)}")
+    if method == "compressed-tensors" and tuple(raw.tensor(f"{module}.weight_shape").tolist()) != shape:
+        raise InputError(f"{raw.path}: tensor '{module}.weight_shape' says {raw.tensor(f'{module}.weight_shape').tolist()}, "
+                         f"the config gives {list(shape)}")
+    return set(layout)

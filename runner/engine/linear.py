@@ -1,0 +1,92 @@
+"""The engine's Linear layers: dense, or on low-bit weights with torch's weight-only kernels.
+
+A quantized variant runs on its own codes, so its speed is its own and not a dequantized copy's:
+
+- int8 by output channel (GPTQ's grid, symmetric or not): ``torch._weight_int8pack_mm`` on the
+  codes less 128 and the scales; an asymmetric zero-point adds ``(128 - zero) · scale`` times the
+  sum of the inputs;
+- int4 by groups of 32 to 256 inputs: ``torch._weight_int4pack_mm_for_cpu``, whose dequantization
+  is ``(code - 8) · scale + bias``, so our ``(code - zero) · scale`` becomes bias
+  ``(8 - zero) · scale``; act-order groups (GPTQ's ``g_idx``) first put the input columns in
+  group order, and each input is gathered the same way.
+
+Everything else (other widths, float codes, a device without the kernels) runs dequantized, and
+says so in ``kind``. Scales take the activations' dtype, as the kernels require.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from quant.types import QuantizedTensor, TensorPayload
+
+INT4_GROUPS = (32, 64, 128, 256)
+
+
+class Linear:
+    kind = "dense"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Int8Linear(Linear):
+    kind = "int8"
+
+    def __init__(self, q: QuantizedTensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device):
+        scales = q.scales[:, 0]
+        self.codes = (q.codes.to(torch.int16) - 128).to(torch.int8).to(device)
+        self.scales = scales.to(dtype=dtype, device=device)
+        offset = (128 - q.zeros[:, 0]) * scales  # zero at the mid-level for symmetric weights: no offset
+        self.offset = None if not offset.any() else offset.to(dtype=dtype, device=device)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int8pack_mm(x, self.codes, self.scales)
+        if self.offset is not None:
+            y = y + x.sum(-1, keepdim=True) * self.offset
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(Linear):
+    kind = "int4"
+
+    def __init__(self, q: QuantizedTensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device):
+        codes, scales, zeros = q.codes, q.scales, q.zeros
+        self.order = None
+        if q.group_index is not None:  # act-order: columns into group order, groups then consecutive
+            self.order = torch.argsort(q.group_index.long(), stable=True)
+            codes = codes[:, self.order]
+            self.order = self.order.to(device)
+        n_in = codes.shape[1]
+        self.group = n_in // scales.shape[1]
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1).to(device)
+        self.scales_and_zeros = torch.stack([scales.T, ((8 - zeros) * scales).T], -1).to(dtype=dtype, device=device).contiguous()
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.order is not None:
+            x = x[:, self.order]
+        y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group, self.scales_and_zeros)
+        return y if self.bias is None else y + self.bias
+
+
+def make_linear(weight: TensorPayload, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> Linear:
+    """The fastest layer this machine has for ``weight`` (a float tensor or a quantized one)."""
+    bias = None if bias is None else bias.to(device=device, dtype=dtype)
+    if isinstance(weight, QuantizedTensor) and device.type == "cpu" and weight.spec.format == "int":
+        spec, n_in = weight.spec, weight.shape[1]
+        groups = weight.scales.shape[1]
+        if spec.bits == 8 and groups == 1 and weight.group_index is None:
+            return Int8Linear(weight, bias, dtype, device)
+        if spec.bits == 4 and n_in // groups in INT4_GROUPS and n_in % groups == 0:
+            return Int4Linear(weight, bias, dtype, device)
+    dense = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
+    layer = Linear(dense.to(device=device, dtype=dtype), bias)
+    if isinstance(weight, QuantizedTensor):
+        layer.kind = f"dequantized {weight.spec.label}"
+    return layer

@@ -1,0 +1,106 @@
+"""The engine on quantized variants' real low-bit weights (compressed-tensors and GPTQ exports, read
+back by formats/quantized_checkpoint.py): torch's int8 and int4 weight-only kernels give the greedy
+tokens, and the log-probabilities within float tolerance, of the variant's dense dequantized export."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import BUNDLED, TINY
+from quant.types import InputError
+from runner import LLM, SamplingParams
+from test_engine import prompts_from_text
+
+VARIANTS = {
+    "int8": ({"method": "rtn", "bits": 8}, ["compressed-tensors", "gptq"], "int8"),
+    "int8-asym": ({"method": "rtn", "bits": 8, "symmetric": False}, ["compressed-tensors"], "int8"),
+    "int4-g64": ({"method": "rtn", "bits": 4, "granularity": "group", "group_size": 64}, ["compressed-tensors", "gptq"], "int4"),
+    "int4-g128-asym": ({"method": "rtn", "bits": 4, "symmetric": False, "granularity": "group", "group_size": 128},
+                       ["compressed-tensors", "gptq"], "int4"),
+    "gptq-int4-actorder": ({"method": "gptq", "bits": 4, "group_size": 64, "act_order": True}, ["gptq"], "int4"),
+    "int3-g64": ({"method": "rtn", "bits": 3, "granularity": "group", "group_size": 64}, ["compressed-tensors"],
+                 "dequantized int3-g64-sym"),
+}
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    from calib.text import sample_windows
+    from formats.hf import HFCheckpoint, load_tokenizer
+    from recipes.schema import Variant
+    from recipes.variants import build_variant
+
+    out = tmp_path_factory.mktemp("quantized")
+    ckpt = HFCheckpoint.open(TINY)
+    calibration = sample_windows(load_tokenizer(ckpt), BUNDLED / "calib.txt", 128, 8)
+    for name, (weights, exports, _) in VARIANTS.items():
+        variant = Variant.model_validate({"name": name, "weights": weights, "exports": ["safetensors", *exports]})
+        build_variant(ckpt, variant, out, keep_weights=False, calibration=calibration)
+    return out
+
+
+def run(path, prompts):
+    llm = LLM(path, dtype="fp32", kv_memory=16 * 2**20)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0))
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+    return llm, outs
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_low_bit_kernels_give_the_dense_exports_tokens(variants, name):
+    prompts = prompts_from_text()[:8]
+    _, dense = run(variants / name / "safetensors", prompts)
+    for export in VARIANTS[name][1]:
+        llm, ours = run(variants / name / export, prompts)
+        assert {layer[m].kind for layer in llm.engine.model.layers for m in ("q", "k", "v", "o", "gate", "up", "down")} \
+            == {VARIANTS[name][2]}
+        if name == "gptq-int4-actorder":  # g_idx groups: the kernel reads the inputs in group order
+            assert all(layer["q"].order is not None for layer in llm.engine.model.layers)
+        assert [o.token_ids for o in ours] == [o.token_ids for o in dense]
+        for a, b in zip(ours, dense):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
+def test_a_recipe_variant_folder_runs_its_compressed_tensors_export(variants):
+    llm = LLM(variants / "int4-g64", dtype="fp32", kv_memory=16 * 2**20)
+    assert llm.engine.ckpt.path == variants / "int4-g64" / "compressed-tensors"
+    assert llm.engine.model.layers[0]["q"].kind == "int4"
+
+
+def test_the_low_bit_weights_are_what_the_engine_holds(variants):
+    """An int4 variant's layers keep packed codes (half a byte a weight), not a float copy."""
+    llm = LLM(variants / "int4-g64", dtype="bf16", kv_memory=16 * 2**20)
+    q = llm.engine.model.layers[0]["q"]
+    assert q.packed.numel() * q.packed.element_size() == 256 * 256 // 2 and not hasattr(q, "weight")
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    (lambda folder: _drop(folder, "model.layers.0.self_attn.q_proj.weight_scale"), "no tensor 'model.layers.0.self_attn.q_proj.weight_scale'"),
+    (lambda folder: _config(folder, lambda q: q.update(format="float-quantized")), "does not take (format 'float-quantized'"),
+    (lambda folder: _config(folder, lambda q: q.update(quant_method="hqq")), "quant_method 'hqq'"),
+])
+def test_a_damaged_quantized_folder_gets_one_line(variants, tmp_path, damage, fragment):
+    folder = tmp_path / "ct"
+    shutil.copytree(variants / "int4-g64" / "compressed-tensors", folder)
+    damage(folder)
+    with pytest.raises(InputError) as e:
+        LLM(folder, kv_memory=16 * 2**20)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def _drop(folder, name):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(folder / "model.safetensors")
+    del state[name]
+    save_file(state, folder / "model.safetensors")
+
+
+def _config(folder, change):
+    config = json.loads((folder / "config.json").read_text())
+    change(config["quantization_config"])
+    (folder / "config.json").write_text(json.dumps(config))
