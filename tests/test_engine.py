@@ -98,10 +98,10 @@ def test_block_size_chunking_and_batch_limits_change_no_token(models, prompts, e
 
 def test_preemption_recomputes_to_the_same_tokens(models, prompts):
     reference, _ = greedy(models["mistral"], prompts)
+    from formats.hf import HFCheckpoint
     from runner.engine.kv_cache import bytes_per_token
 
-    llm = LLM(models["mistral"], dtype="fp32", kv_memory=1)  # only to read the cache's size per token
-    per_block = bytes_per_token(llm.engine.arch, torch.float32) * 16
+    per_block = bytes_per_token(HFCheckpoint.open(models["mistral"]).arch, torch.float32) * 16
     ours, llm = greedy(models["mistral"], prompts, kv_memory=12 * per_block, max_model_len=128)  # 12 blocks for 16 prompts
     assert llm.engine.scheduler.preemptions > 0
     assert ours == reference

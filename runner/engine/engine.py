@@ -217,23 +217,24 @@ def _decode_batch(decode: list[tuple[int, int, int]], table: torch.Tensor, bs: i
 
 
 def _prefill_batch(prefill: list[tuple[int, int, int]], scheduled, table: torch.Tensor, bs: int, dev) -> PrefillBatch | None:
-    """Every key of the chunking sequences (their cached prefix and this chunk), and their queries."""
+    """The chunks, one row each, padded to the longest chunk and the longest key list."""
     if not prefill:
         return None
-    rows, query_owner, query_pos, key_owner, key_pos = [], [], [], [], []
-    for j, (i, start, end) in enumerate(prefill):
-        n = scheduled[i][1]
-        rows.append(torch.arange(start, start + n))
-        query_owner.append(torch.full((n,), j))
-        query_pos.append(torch.arange(end - n, end))
-        key_owner.append(torch.full((end,), j))
-        key_pos.append(torch.arange(end))
-    owners = torch.tensor([i for i, _, _ in prefill], dtype=torch.long)
-    key_owner_t, key_pos_t = torch.cat(key_owner), torch.cat(key_pos)
-    key_slots = table[owners.to(dev)[key_owner_t.to(dev)], key_pos_t.to(dev) // bs] * bs + key_pos_t.to(dev) % bs
-    return PrefillBatch(rows=torch.cat(rows).to(dev), query_owner=torch.cat(query_owner).to(dev),
-                        query_pos=torch.cat(query_pos).to(dev), key_slots=key_slots,
-                        key_owner=key_owner_t.to(dev), key_pos=key_pos_t.to(dev))
+    chunks = [scheduled[i][1] for i, _, _ in prefill]
+    width, keys = max(chunks), max(end for _, _, end in prefill)
+    offsets = torch.arange(width)
+    start = torch.tensor([s for _, s, _ in prefill])[:, None]
+    n = torch.tensor(chunks)[:, None]
+    end = torch.tensor([e for _, _, e in prefill])[:, None]
+    valid = offsets[None, :] < n
+    query_pos = end - n + offsets[None, :]
+    key_pos = torch.arange(keys)[None, :].expand(len(prefill), keys)
+    owners = torch.tensor([i for i, _, _ in prefill], device=dev)
+    rows = torch.where(valid, start + offsets, 0).to(dev)
+    key_slots = table[owners[:, None], (key_pos // bs).to(dev)] * bs + (key_pos % bs).to(dev)
+    key_slots = torch.where((key_pos < end).to(dev), key_slots, 0)
+    return PrefillBatch(rows=rows, key_slots=key_slots, query_pos=query_pos.to(dev), key_pos=key_pos.to(dev),
+                        valid=valid.to(dev))
 
 
 def parse_memory(text: str) -> float | int:

@@ -48,16 +48,17 @@ class DecodeBatch:
 
 @dataclass
 class PrefillBatch:
-    """The step's prefill chunks: ``rows`` are their tokens' rows in the step; ``key_slots`` every
-    key their sequences hold after this step (cached prefix and chunk), ``key_owner``/``key_pos``
-    whose and where each is, ``query_owner``/``query_pos`` the same of each chunk token."""
+    """The step's prefill chunks, one row each, padded to the longest chunk and the longest key
+    list: ``rows[b, i]`` is the step row of chunk ``b``'s token ``i``; ``key_slots[b, j]`` the
+    cache slot of its sequence's key ``j`` (cached prefix, then the chunk itself); ``mask[b, i, j]``
+    whether token ``i`` sees key ``j`` (causal, within any sliding window, never padding: a padded
+    token sees key 0 only, its output unused); ``valid[b, i]`` which tokens are real."""
 
     rows: torch.Tensor
-    query_owner: torch.Tensor
-    query_pos: torch.Tensor
     key_slots: torch.Tensor
-    key_owner: torch.Tensor
+    query_pos: torch.Tensor
     key_pos: torch.Tensor
+    valid: torch.Tensor
 
 
 @dataclass
@@ -121,7 +122,9 @@ class DecoderModel:
                     ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"))},
             })
         self.norm = load("model.norm.weight")
-        self.lm_head = self.embed if "lm_head.weight" not in ckpt.names else load("lm_head.weight")
+        # A tied head multiplies by the embedding itself (a packed copy would double its memory).
+        self.lm_head = Linear(self.embed, None) if "lm_head.weight" not in ckpt.names else \
+            make_linear(ckpt.payload("lm_head.weight"), None, dtype, device)
         self.inv_freq = inverse_frequencies(arch).to(device)
         self.scale = arch.head_dim ** -0.5
 
@@ -143,12 +146,12 @@ class DecoderModel:
             if step.decode is not None:
                 out[step.decode.rows] = self._decode_attention(q[step.decode.rows], pool, index, step.decode, window)
             if step.prefill is not None:
-                out[step.prefill.rows] = self._prefill_attention(q[step.prefill.rows], pool, index, step.prefill, window)
+                out[step.prefill.rows[step.prefill.valid]] = self._prefill_attention(q, pool, index, step.prefill, window)
             x = x + layer["o"](out.to(x.dtype).flatten(1))
             h = self._norm(x, layer["mlp_norm"])
             x = x + layer["down"](F.silu(layer["gate"](h)) * layer["up"](h))
         x = self._norm(x[step.sample_rows], self.norm)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm in float32, as transformers' LlamaRMSNorm."""
@@ -164,10 +167,10 @@ class DecoderModel:
     def _decode_attention(self, q: torch.Tensor, pool: KVPool, layer: int, d: DecodeBatch, window: int | None) -> torch.Tensor:
         a, bs = self.arch, pool.block_size
         kv, groups = a.kv_heads[0], a.heads // a.kv_heads[0]
-        keys, values = pool.blocks(layer, d.ids)  # [blocks, bs, kv, dim]
+        keys, values = pool.blocks(layer, d.ids)  # [blocks, kv, bs, dim], as the pool lays them out
         nb = d.ids.numel()
         qb = q.to(keys.dtype).view(-1, kv, groups, a.head_dim)[d.owner]  # [blocks, kv, groups, dim]
-        scores = torch.bmm(qb.reshape(nb * kv, groups, a.head_dim), keys.permute(0, 2, 3, 1).reshape(nb * kv, a.head_dim, bs))
+        scores = torch.bmm(qb.view(nb * kv, groups, a.head_dim), keys.view(nb * kv, bs, a.head_dim).transpose(1, 2))
         scores = scores.view(nb, kv, groups, bs).float() * self.scale
         pos = d.first[:, None] + torch.arange(bs, device=q.device)  # [blocks, bs]
         last = d.length[d.owner][:, None] - 1
@@ -180,20 +183,22 @@ class DecoderModel:
         top = torch.full((n, kv, groups), float("-inf"), device=q.device).scatter_reduce_(0, index, scores.amax(-1), "amax")
         weights = torch.exp(scores - top[d.owner][..., None])
         total = torch.zeros_like(top).index_add_(0, d.owner, weights.sum(-1))
-        weighted = torch.bmm(weights.to(values.dtype).view(nb * kv, groups, bs), values.permute(0, 2, 1, 3).reshape(nb * kv, bs, a.value_dim))
+        weighted = torch.bmm(weights.to(values.dtype).view(nb * kv, groups, bs), values.view(nb * kv, bs, a.value_dim))
         out = torch.zeros(n, kv, groups, a.value_dim, device=q.device).index_add_(0, d.owner, weighted.view(nb, kv, groups, -1).float())
         return (out / total[..., None]).view(n, a.heads, a.value_dim)
 
     def _prefill_attention(self, q: torch.Tensor, pool: KVPool, layer: int, p: PrefillBatch, window: int | None) -> torch.Tensor:
-        keys, values = pool.slots(layer, p.key_slots)  # [keys, kv, dim]
-        mask = (p.query_owner[:, None] == p.key_owner[None, :]) & (p.key_pos[None, :] <= p.query_pos[:, None])
+        """The chunks' outputs, [real chunk tokens, heads, value_dim], in ``rows[valid]`` order."""
+        keys, values = pool.slots(layer, p.key_slots)  # [chunks, keys, kv, dim]
+        mask = p.key_pos[:, None, :] <= p.query_pos[:, :, None]
         if window is not None:
-            mask &= p.key_pos[None, :] > p.query_pos[:, None] - window
+            mask &= p.key_pos[:, None, :] > p.query_pos[:, :, None] - window
+        mask |= ~p.valid[:, :, None] & (torch.arange(mask.shape[-1], device=q.device) == 0)  # padding sees key 0
         out = F.scaled_dot_product_attention(
-            q.float().transpose(0, 1), keys.float().transpose(0, 1), values.float().transpose(0, 1),
-            attn_mask=mask, scale=self.scale, enable_gqa=True,
-        )
-        return out.transpose(0, 1)
+            q[p.rows].float().transpose(1, 2), keys.float().transpose(1, 2), values.float().transpose(1, 2),
+            attn_mask=mask[:, None], scale=self.scale, enable_gqa=True,
+        )  # [chunks, heads, tokens, dim]
+        return out.transpose(1, 2)[p.valid]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
