@@ -24,6 +24,7 @@ engines may still read in full precision: a bound on the damage, which is what a
 
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from quant.ggml import encode
 from quant.types import InputError
 
 _FP8_E4M3_MAX = 448.0
-_GGML_TYPES = {"int8": "Q8_0", "int4": "Q4_0"}
+GGML_TYPES = {"int8": "Q8_0", "int4": "Q4_0"}
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,10 @@ def fake_quantize_kv(x: torch.Tensor, spec: KVCacheSpec, rotation: int | None = 
     if v.shape[-1] % 32:
         raise InputError(f"KV cache {spec.format}: head size {v.shape[-1]} is not a multiple of 32 (llama.cpp's block)")
     if rotation:
-        v = _rotate(v, rotation)
-    q = encode(v.reshape(-1, v.shape[-1]), _GGML_TYPES[spec.format], "KV cache").dequantize().reshape(v.shape)
+        v = rotate_blocks(v, rotation)
+    q = encode(v.reshape(-1, v.shape[-1]), GGML_TYPES[spec.format], "KV cache").dequantize().reshape(v.shape)
     if rotation:
-        q = _rotate(q, rotation)  # the matrix is its own inverse
+        q = rotate_blocks(q, rotation)  # the matrix is its own inverse
     return q.to(x.dtype)
 
 
@@ -78,7 +79,7 @@ def rotations(spec: KVCacheSpec, head_dim: int) -> tuple[int | None, int | None]
     return keys, 64
 
 
-def _pairs_side_by_side(head_dim: int) -> torch.Tensor:
+def pairs_side_by_side(head_dim: int) -> torch.Tensor:
     """Channel order [0, d/2, 1, d/2 + 1, ...]: each rotary pair of a rotate-half head together."""
     half = torch.arange(head_dim // 2)
     return torch.stack([half, half + head_dim // 2], 1).reshape(-1)
@@ -91,6 +92,7 @@ def _in_order(x: torch.Tensor, order: torch.Tensor | None, spec: KVCacheSpec, ro
     return fake_quantize_kv(x[..., order], spec, rotation)[..., torch.argsort(order)]
 
 
+@functools.cache
 def hadamard(n: int) -> torch.Tensor:
     """The orthonormal Walsh-Hadamard matrix of size ``n`` (a power of two), Sylvester's order, as
     llama.cpp builds it: symmetric, and its own inverse."""
@@ -100,9 +102,10 @@ def hadamard(n: int) -> torch.Tensor:
     return h / math.sqrt(n)
 
 
-def _rotate(x: torch.Tensor, n: int) -> torch.Tensor:
+def rotate_blocks(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``x`` [..., d] times the Hadamard matrix of size ``n`` on each block of ``n`` channels."""
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // n, n)
-    return (blocks @ hadamard(n)).reshape(x.shape)
+    return (blocks @ hadamard(n).to(x.dtype)).reshape(x.shape)
 
 
 @contextmanager
@@ -127,7 +130,7 @@ def simulated_kv_cache(model: torch.nn.Module, spec: KVCacheSpec, interleaved: b
     def quantized_attention(module, query, key, value, *args, **kwargs):
         if id(module) in layers:
             k_rotation, v_rotation = rotations(spec, key.shape[-1])
-            order = _pairs_side_by_side(key.shape[-1]) if interleaved else None
+            order = pairs_side_by_side(key.shape[-1]) if interleaved else None
             key, value = _in_order(key, order, spec, k_rotation), fake_quantize_kv(value, spec, v_rotation)
             if spec.format != "fp8":  # llama.cpp's dot products with q8_0/q4_0 keys take q8_0 queries
                 query = _in_order(query, order, KVCacheSpec("int8"), k_rotation)

@@ -151,7 +151,7 @@ def fit(
 
 # The engine's options, the same for every command that runs it (generate, bench).
 _DTYPE = typer.Option("auto", "--dtype", help="Weights and activations: auto (the checkpoint's), bf16, fp16, fp32.")
-_KV_DTYPE = typer.Option("auto", "--kv-cache-dtype", help="KV cache: auto (as --dtype), bf16, fp16, fp32.")
+_KV_DTYPE = typer.Option("auto", "--kv-cache-dtype", help="KV cache: auto (as --dtype), bf16, fp16, fp32, fp8 (e4m3), int8 or int4 (llama.cpp q8_0/q4_0 blocks).")
 _BLOCK = typer.Option(16, "--block-size", help="Tokens per KV-cache block.")
 _SEQS = typer.Option(256, "--max-num-seqs", help="Most sequences running at once.")
 _TOKENS = typer.Option(2048, "--max-num-batched-tokens", help="Most tokens in one step (decode tokens and prompt chunks).")

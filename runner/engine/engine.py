@@ -17,7 +17,7 @@ from formats.hf import HFCheckpoint, read_json
 from formats.quantized_checkpoint import QuantizedCheckpoint
 from quant.types import InputError
 from runner.engine.block_manager import BlockManager
-from runner.engine.kv_cache import CACHE_DTYPES, KVPool, bytes_per_token
+from runner.engine.kv_cache import BITS, FLOAT_CACHES, KVPool, bytes_per_token
 from runner.engine.model import DecodeBatch, DecoderModel, PrefillBatch, Step
 from runner.engine.sampling import SamplingParams, sample
 from runner.engine.scheduler import Scheduler
@@ -58,13 +58,16 @@ class Engine:
         arch = self.arch = self.ckpt.arch
         dtype = self._dtype(config.dtype, "dtype")
         self.model = DecoderModel(self.ckpt, dtype, self.device)
-        cache_dtype = dtype if config.kv_cache_dtype == "auto" else self._dtype(config.kv_cache_dtype, "kv_cache_dtype")
+        cache = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype] \
+            if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
         self.max_model_len = config.max_model_len or arch.max_context
         if not self.max_model_len or self.max_model_len < 1:
             raise InputError(f"{self.ckpt.path}: the model states no context length: give max_model_len")
         if arch.max_context and self.max_model_len > arch.max_context:
             raise InputError(f"max_model_len {self.max_model_len}: longer than the model's context ({arch.max_context} tokens)")
-        per_block = bytes_per_token(arch, cache_dtype) * config.block_size
+        if cache not in BITS:
+            raise InputError(f"kv_cache_dtype {cache}: one of auto, {', '.join(BITS)}")
+        per_block = bytes_per_token(arch, cache) * config.block_size
         budget = _budget(config.kv_memory)
         num_blocks = int(budget // per_block)
         needed = -(-self.max_model_len // config.block_size)
@@ -72,7 +75,7 @@ class Engine:
             raise InputError(f"KV memory {budget / 2**20:,.1f} MiB holds {num_blocks} blocks of {config.block_size} tokens; "
                              f"one sequence of max_model_len {self.max_model_len} needs {needed} "
                              f"({needed * per_block / 2**20:,.1f} MiB): give more kv_memory or a smaller max_model_len")
-        self.pool = KVPool(arch, num_blocks, config.block_size, cache_dtype, self.device)
+        self.pool = KVPool(arch, num_blocks, config.block_size, cache, dtype, self.device)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos = {t for t in (_as_list(self.ckpt.config.get("eos_token_id"))) if isinstance(t, int)}
@@ -85,7 +88,7 @@ class Engine:
             stored = DTYPES.get(str(self.ckpt.config.get("dtype") or self.ckpt.config.get("torch_dtype")), torch.float32)
             return torch.bfloat16 if stored == torch.float16 and self.device.type == "cpu" else stored
         if name not in DTYPES:
-            raise InputError(f"{option} {name}: one of auto, {', '.join(CACHE_DTYPES)}")
+            raise InputError(f"{option} {name}: one of auto, {', '.join(FLOAT_CACHES)}")
         return DTYPES[name]
 
     def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:

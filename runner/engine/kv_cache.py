@@ -2,33 +2,103 @@
 
 Per layer, keys are ``[num_blocks, kv_heads, block_size, head_dim]`` (values: ``value_dim``),
 head-major within a block, so the decode attention's matrix products read a gathered block as it
-lies; a token's slot is ``block * block_size + offset``. One token costs ``bytes_per_token``
-across the layers, the number ``quantize fit`` gives for the same model and cache type, so the pool
-a memory budget buys is the one the calculator promised.
+lies; a token's slot is ``block * block_size + offset``. The cache types are ``quantize fit``'s:
+
+- ``fp32``, ``fp16``, ``bf16``: stored as they are;
+- ``fp8``: vLLM's e4m3 cache without scales (each value saturated to ±448);
+- ``int8``, ``int4``: llama.cpp's ``q8_0``/``q4_0`` blocks (32 values and an fp16 scale), encoded by
+  the same code as the recipe's ``kv_cache`` simulation (quant/kv_cache.py), with what goes with
+  them there: keys and queries in llama.cpp's channel order for Llama heads, a Walsh-Hadamard
+  rotation of keys (and queries) and values before encoding, and q8_0 queries. Attention runs in
+  that rotated space (dot products are unchanged by it) and its output is rotated back, so the
+  engine computes what the report scored, from codes it really stores.
+
+One token costs ``bytes_per_token`` across the layers, the number ``quantize fit`` gives for the same
+model and cache type, so a quantized cache really holds more tokens in the same memory.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from quant.ggml import encode
+from quant.kv_cache import GGML_TYPES, pairs_side_by_side, rotate_blocks, rotations
+from quant.kv_cache import KVCacheSpec
 from quant.types import Architecture, InputError
 
-CACHE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+BITS = {"fp32": 32.0, "fp16": 16.0, "bf16": 16.0, "fp8": 8.0, "int8": 8.5, "int4": 4.5}  # per cached value
+FLOAT_CACHES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_FP8_MAX = 448.0
 
 
-def bytes_per_token(arch: Architecture, dtype: torch.dtype) -> int:
-    return sum(arch.cache_values_per_token(layer) for layer in range(arch.layers)) * dtype.itemsize
+def bytes_per_token(arch: Architecture, cache: str) -> float:
+    return sum(arch.cache_values_per_token(layer) for layer in range(arch.layers)) * BITS[cache] / 8
+
+
+class _Store:
+    """One tensor kind (keys or values) of every layer, as the cache type stores it."""
+
+    def __init__(self, cache: str, shape: tuple[int, ...], dim: int, compute: torch.dtype, device: torch.device):
+        self.cache, self.compute = cache, compute
+        if cache in FLOAT_CACHES:
+            self.codes = torch.zeros(*shape, dim, dtype=FLOAT_CACHES[cache], device=device)
+        elif cache == "fp8":
+            self.codes = torch.zeros(*shape, dim, dtype=torch.float8_e4m3fn, device=device)
+        else:
+            if dim % 32:
+                raise InputError(f"kv_cache_dtype {cache}: head size {dim} is not a multiple of 32 (llama.cpp's block)")
+            width = dim if cache == "int8" else dim // 2
+            self.codes = torch.zeros(*shape, width, dtype=torch.int8 if cache == "int8" else torch.uint8, device=device)
+            self.scales = torch.zeros(*shape, dim // 32, dtype=torch.float16, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + (self.scales.nbytes if hasattr(self, "scales") else 0)
+
+    def put(self, layer: int, block: torch.Tensor, offset: torch.Tensor, x: torch.Tensor) -> None:
+        if self.cache in FLOAT_CACHES:
+            self.codes[layer][block, :, offset] = x.to(self.codes.dtype)
+        elif self.cache == "fp8":
+            self.codes[layer][block, :, offset] = x.float().clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+        else:
+            tokens, heads, dim = x.shape
+            raw = encode(x.float().reshape(-1, dim).cpu(), GGML_TYPES[self.cache], "KV cache").raw
+            raw = raw.reshape(tokens, heads, dim // 32, -1)
+            scales = np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0]
+            codes = np.ascontiguousarray(raw[..., 2:]).reshape(tokens, heads, -1)
+            self.codes[layer][block, :, offset] = torch.from_numpy(codes.view(np.int8) if self.cache == "int8" else codes).to(self.codes.device)
+            self.scales[layer][block, :, offset] = torch.from_numpy(scales).to(self.scales.device)
+
+    def get(self, layer: int, *index) -> torch.Tensor:
+        codes = self.codes[layer][index]
+        if self.cache in FLOAT_CACHES or self.cache == "fp8":
+            return codes.to(self.compute)
+        scales = self.scales[layer][index].float()
+        if self.cache == "int8":
+            values = codes.float().unflatten(-1, (-1, 32))
+        else:  # q4_0: byte j of a block holds value j in its low nibble and value j + 16 in its high one
+            blocks = codes.unflatten(-1, (-1, 16))
+            values = torch.cat([(blocks & 15), (blocks >> 4)], -1).float() - 8
+        return (values * scales[..., None]).flatten(-2).to(self.compute)
 
 
 class KVPool:
-    def __init__(self, arch: Architecture, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, arch: Architecture, num_blocks: int, block_size: int, cache: str, compute: torch.dtype,
+                 device: torch.device):
         if arch.latent_cache is not None or len(set(arch.kv_heads)) != 1:
             raise InputError(f"model_type '{arch.model_type}': the engine runs layers with the same KV heads, "
                              "and no latent (MLA) cache yet")
-        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
-        kv = arch.kv_heads[0]
-        self.keys = torch.zeros(arch.layers, num_blocks, kv, block_size, arch.head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros(arch.layers, num_blocks, kv, block_size, arch.value_dim, dtype=dtype, device=device)
+        if cache not in BITS:
+            raise InputError(f"kv_cache_dtype {cache}: one of auto, {', '.join(BITS)}")
+        self.num_blocks, self.block_size, self.cache = num_blocks, block_size, cache
+        shape = (arch.layers, num_blocks, arch.kv_heads[0], block_size)
+        self.keys = _Store(cache, shape, arch.head_dim, compute, device)
+        self.values = _Store(cache, shape, arch.value_dim, compute, device)
+        quantized = cache in GGML_TYPES
+        self.key_rotation, self.value_rotation = rotations(KVCacheSpec(cache), arch.head_dim) if quantized else (None, None)
+        adjacent = quantized and arch.rope_pairs_adjacent_in_gguf
+        self.order = pairs_side_by_side(arch.head_dim).to(device) if adjacent else None
 
     @property
     def nbytes(self) -> int:
@@ -37,14 +107,37 @@ class KVPool:
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store each token's ``[kv_heads, dim]`` keys and values at its slot."""
         block, offset = slots // self.block_size, slots % self.block_size
-        self.keys[layer][block, :, offset] = keys.to(self.dtype)
-        self.values[layer][block, :, offset] = values.to(self.dtype)
+        self.keys.put(layer, block, offset, self._key_space(keys))
+        self.values.put(layer, block, offset, self._rotated(values, self.value_rotation))
 
     def blocks(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of whole blocks ``ids``: [len(ids), kv_heads, block_size, dim]."""
-        return self.keys[layer][ids], self.values[layer][ids]
+        return self.keys.get(layer, ids), self.values.get(layer, ids)
 
     def slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at ``slots`` (any shape): [*slots.shape, kv_heads, dim]."""
         block, offset = slots // self.block_size, slots % self.block_size
-        return self.keys[layer][block, :, offset], self.values[layer][block, :, offset]
+        return self.keys.get(layer, block, slice(None), offset), self.values.get(layer, block, slice(None), offset)
+
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        """Queries in the space the keys are stored in (for q8_0/q4_0 keys: reordered, rotated and
+        q8_0-quantized, as llama.cpp's dot products take them)."""
+        if self.cache not in GGML_TYPES:
+            return q
+        q = self._key_space(q).float()
+        shape = q.shape
+        q = encode(q.reshape(-1, shape[-1]).cpu(), "Q8_0", "KV cache queries").dequantize().reshape(shape)
+        return q.to(device=self.keys.codes.device, dtype=self.keys.compute)
+
+    def outputs(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention outputs back from the rotated space of stored values."""
+        return self._rotated(out, self.value_rotation)
+
+    def _key_space(self, x: torch.Tensor) -> torch.Tensor:
+        if self.order is not None:
+            x = x[..., self.order]
+        return self._rotated(x, self.key_rotation)
+
+    @staticmethod
+    def _rotated(x: torch.Tensor, n: int | None) -> torch.Tensor:
+        return x if n is None else rotate_blocks(x.float(), n).to(x.dtype)

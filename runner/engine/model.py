@@ -141,13 +141,14 @@ class DecoderModel:
             v = layer["v"](h).view(-1, a.kv_heads[0], a.value_dim)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             pool.write(index, step.slots, k, v)
+            q = pool.queries(q)
             out = torch.empty(q.shape[0], a.heads, a.value_dim, dtype=torch.float32, device=x.device)
             window = a.windows[index]
             if step.decode is not None:
                 out[step.decode.rows] = self._decode_attention(q[step.decode.rows], pool, index, step.decode, window)
             if step.prefill is not None:
                 out[step.prefill.rows[step.prefill.valid]] = self._prefill_attention(q, pool, index, step.prefill, window)
-            x = x + layer["o"](out.to(x.dtype).flatten(1))
+            x = x + layer["o"](pool.outputs(out).to(x.dtype).flatten(1))
             h = self._norm(x, layer["mlp_norm"])
             x = x + layer["down"](F.silu(layer["gate"](h)) * layer["up"](h))
         x = self._norm(x[step.sample_rows], self.norm)
