@@ -43,7 +43,7 @@ def workload(llm) -> tuple[list[list[int]], list[int]]:
     from runner.bench import Workload, workload_prompts
 
     w = Workload(requests=32, concurrency=32)
-    return workload_prompts(llm, TEXT, w), [w.output_tokens[i % 4] for i in range(w.requests)]
+    return workload_prompts(llm.tokenizer, TEXT, w), [w.output_tokens[i % 4] for i in range(w.requests)]
 
 
 def ours(model: Path) -> dict:

@@ -1,5 +1,6 @@
-"""The trade-off a quantization report is about, drawn: size against KL divergence from the original,
-one point per variant, as an SVG a web page can hold inline (no scripts, no external files)."""
+"""The trade-offs a quantization report is about, drawn: size, and measured speed, against KL
+divergence from the original, one point per variant, as SVGs a web page can hold inline (no
+scripts, no external files)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,18 @@ _LEFT, _RIGHT, _TOP, _BOTTOM = 70, 150, 20, 50  # margins: axis labels on the le
 def size_fidelity_svg(rows: list[VariantRow]) -> str:
     """An SVG scatter of size (MB) against KLD (log scale): lower left is smaller and closer to the
     original. Variants whose KLD rounds to nothing sit on the bottom edge, marked "≈0"."""
-    points = [(r.name, r.size_mb, r.scores.kld) for r in rows if r.scores.kld is not None]
+    return _fidelity_svg([(r.name, r.size_mb, r.scores.kld) for r in rows if r.scores.kld is not None],
+                         "size (MB)", "MB", "size against KL divergence")
+
+
+def speed_fidelity_svg(rows: list[VariantRow]) -> str:
+    """The same against measured output tokens/s: lower right is faster and closer to the original."""
+    return _fidelity_svg([(r.name, r.speed["output_tokens_per_s"], r.scores.kld) for r in rows
+                          if r.scores.kld is not None and r.speed and r.speed.get("runner")],
+                         "output tokens/s", "tokens/s", "speed against KL divergence")
+
+
+def _fidelity_svg(points: list[tuple[str, float, float]], x_label: str, unit: str, aria: str) -> str:
     if not points:
         return "<p>No variant to compare with the original.</p>"
     positive = [k for _, _, k in points if k > 0]
@@ -35,20 +47,20 @@ def size_fidelity_svg(rows: list[VariantRow]) -> str:
         return _TOP + plot_h * (y_hi - math.log10(max(kld, floor))) / (y_hi - y_lo)
 
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{_H}" role="img" '
-             'aria-label="size against KL divergence">',
+             f'aria-label="{aria}">',
              f'<rect x="{_LEFT}" y="{_TOP}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#999" />']
     for e in range(y_lo, y_hi + 1):
         parts.append(f'<text x="{_LEFT - 6}" y="{y(10.0 ** e) + 4:.1f}" text-anchor="end">1e{e}</text>')
     for i in range(round(x_hi / step) + 1):
         size = step * i
         parts.append(f'<text x="{x(size):.1f}" y="{_H - _BOTTOM + 18}" text-anchor="middle">{size:g}</text>')
-    parts.append(f'<text x="{_LEFT + plot_w / 2}" y="{_H - 8}" text-anchor="middle">size (MB)</text>')
+    parts.append(f'<text x="{_LEFT + plot_w / 2}" y="{_H - 8}" text-anchor="middle">{x_label}</text>')
     parts.append(f'<text x="14" y="{_TOP + plot_h / 2}" transform="rotate(-90 14 {_TOP + plot_h / 2})" '
                  'text-anchor="middle">KLD (nats/token)</text>')
     for name, size, kld in points:
         label = escape(name) + (" (≈0)" if kld <= 0 or kld < floor else "")
         parts.append(f'<circle cx="{x(size):.1f}" cy="{y(kld):.1f}" r="4" fill="#3366cc"><title>{escape(name)}: '
-                     f'{size:.2f} MB, KLD {kld:.5f}</title></circle>')
+                     f'{size:,.2f} {unit}, KLD {kld:.5f}</title></circle>')
         parts.append(f'<text x="{x(size) + 7:.1f}" y="{y(kld) + 4:.1f}">{label}</text>')
     parts.append("</svg>")
     return "\n".join(parts)

@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from evalsuite.chart import size_fidelity_svg
+from evalsuite.chart import size_fidelity_svg, speed_fidelity_svg
 from evalsuite.metrics import Scores
 from formats.outputs import Outputs
 
@@ -28,6 +28,9 @@ class VariantRow:
     files: list[dict] = field(default_factory=list)  # {"path": relative to the report, "bytes": int}
     # outlier-aware passes: per Linear module, {"outlier_channels", "max_abs", "max_over_median"}
     input_statistics: dict[str, dict] = field(default_factory=dict)
+    # measured on the recipe's speed workload (recipes/speed.py): {"runner", "concurrency",
+    # "output_tokens_per_s", "ttft_ms", "tpot_ms"}, or {"runner": None, "note": why not}
+    speed: dict | None = None
 
     def as_dict(self) -> dict:
         row = asdict(self)
@@ -52,11 +55,20 @@ class Report:
 
 
 COLUMNS = ("variant", "method", "bpw", "size MB", "PPL", "ΔPPL", "KLD", "top-1", "time s")
+SPEED_COLUMNS = ("tok/s", "TTFT ms", "TPOT ms", "runner")
 
 
-def cells(row: VariantRow) -> list[str]:
+def columns(report: Report) -> tuple[str, ...]:
+    return COLUMNS + (SPEED_COLUMNS if _timed(report) else ())
+
+
+def _timed(report: Report) -> bool:
+    return any(r.speed is not None for r in report.rows)
+
+
+def cells(row: VariantRow, timed: bool = False) -> list[str]:
     s = row.scores
-    return [
+    out = [
         row.name,
         row.method,
         f"{row.bits_per_weight:.2f}",
@@ -67,6 +79,11 @@ def cells(row: VariantRow) -> list[str]:
         "—" if s.top1 is None else f"{100 * s.top1:.2f}%",
         f"{row.seconds:.1f}",
     ]
+    if timed:
+        v = row.speed or {}
+        out += [f"{v['output_tokens_per_s']:,.0f}", f"{v['ttft_ms']:,.1f}", f"{v['tpot_ms']:,.2f}",
+                f"{v['runner']} x{v['concurrency']}"] if v.get("runner") else ["—", "—", "—", "—"]
+    return out
 
 
 def markdown(report: Report) -> str:
@@ -76,15 +93,16 @@ def markdown(report: Report) -> str:
         f"Model: `{report.model}`  ",
         f"Evaluation: `{report.eval_text}`, {report.windows} windows of {report.window} tokens",
         "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
+        "| " + " | ".join(columns(report)) + " |",
+        "|" + "---|" * len(columns(report)),
     ]
-    lines += ["| " + " | ".join(cells(r)) + " |" for r in report.rows]
+    lines += ["| " + " | ".join(cells(r, _timed(report))) + " |" for r in report.rows]
     lines += [
         "",
         "PPL: perplexity on the evaluation text. KLD: mean KL divergence from the original model's "
         "next-token distribution (nats per token). top-1: share of positions where the variant's most "
         "likely next token is the original's. bpw: bits per weight over all tensors.",
+        *(_speed_notes(report) if _timed(report) else []),
         "",
         "## Files",
         "",
@@ -96,6 +114,15 @@ def markdown(report: Report) -> str:
         if r.input_statistics:
             lines += ["", *_outlier_section(r)]
     return "\n".join(lines) + "\n"
+
+
+def _speed_notes(report: Report) -> list[str]:
+    """What the speed columns measured, and why a variant has none."""
+    lines = ["", "tok/s, TTFT, TPOT: the recipe's speed workload (greedy, EOS ignored), mean time to first "
+             "token and per later token; runner: what ran it (quantbench's engine, or llama.cpp for a GGUF "
+             "file) and how many requests at a time."]
+    lines += [f"- {r.name}: no speed: {r.speed['note']}" for r in report.rows if r.speed and not r.speed.get("runner")]
+    return lines
 
 
 _WORST = 5
@@ -123,8 +150,10 @@ def _outlier_section(row: VariantRow) -> list[str]:
 def html(report: Report) -> str:
     """One self-contained page: the table, the size/fidelity chart and the files. Well-formed XML,
     so tools (and tests) can parse it; it opens offline and survives being mailed."""
-    rows = "\n".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in cells(r)) + "</tr>" for r in report.rows)
-    head = "".join(f"<th>{escape(c)}</th>" for c in COLUMNS)
+    timed = _timed(report)
+    rows = "\n".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in cells(r, timed)) + "</tr>" for r in report.rows)
+    head = "".join(f"<th>{escape(c)}</th>" for c in columns(report))
+    speed = f"<h2>Speed against fidelity</h2>\n{speed_fidelity_svg(report.rows)}\n" if timed else ""
     files = "\n".join(f"<li><code>{escape(f['path'])}</code> ({f['bytes'] / 1e6:.2f} MB)</li>" for r in report.rows for f in r.files)
     return f"""<!DOCTYPE html>
 <html xmlns="http://www.w3.org/1999/xhtml" lang="en">
@@ -154,7 +183,7 @@ next-token distribution (nats per token). top-1: share of positions where the va
 next token is the original's. bpw: bits per weight over all tensors.</p>
 <h2>Size against fidelity</h2>
 {size_fidelity_svg(report.rows)}
-<h2>Files</h2>
+{speed}<h2>Files</h2>
 <ul>
 {files}
 </ul>
@@ -165,10 +194,10 @@ next token is the original's. bpw: bits per weight over all tensors.</p>
 
 def table(report: Report) -> Table:
     t = Table(title=Text(f"{report.model}: {report.windows} x {report.window} tokens of {Path(report.eval_text).name}"))
-    for i, c in enumerate(COLUMNS):
-        t.add_column(c, justify="left" if i < 2 else "right")
+    for i, c in enumerate(columns(report)):
+        t.add_column(c, justify="left" if i < 2 or c == "runner" else "right")
     for r in report.rows:
-        t.add_row(*cells(r))
+        t.add_row(*cells(r, _timed(report)))
     return t
 
 

@@ -78,7 +78,8 @@ def _run(recipe: Recipe, ckpt: HFCheckpoint, out_dir: Path, console: Console) ->
                               lambda tick: score(reference, windows, on_window=tick))
             bits = _bits_of_source(ckpt)
             original = VariantRow("original", f"source ({_dtype_label(ckpt)})", bits, _size_mb(ckpt, bits), scores,
-                                  seconds=time.perf_counter() - start)
+                                  seconds=time.perf_counter() - start,
+                                  speed=_speed(progress, recipe, ckpt, None, [], tokenizer))
         rows = [original]
         for variant in recipe.variants:
             if kept[variant.name] is not None:
@@ -105,6 +106,7 @@ def _run(recipe: Recipe, ckpt: HFCheckpoint, out_dir: Path, console: Console) ->
                 variant.name, _describe(variant), bits, _size_mb(ckpt, bits), scores,
                 ppl_delta=scores.ppl - original.scores.ppl, seconds=time.perf_counter() - start,
                 files=[_file_entry(f, out_dir) for f in files], input_statistics=statistics,
+                speed=_speed(progress, recipe, ckpt, variant, files, tokenizer),
             )
             record(done, keys.variant(variant), row)
             rows.append(row)
@@ -114,6 +116,20 @@ def _run(recipe: Recipe, ckpt: HFCheckpoint, out_dir: Path, console: Console) ->
     write_report(report, out_dir)
     record(out_dir / ORIGINAL, keys.original(), original)
     return report
+
+
+def _speed(progress: Progress, recipe: Recipe, ckpt: HFCheckpoint, variant: Variant | None, files: list[Path],
+           tokenizer) -> dict | None:
+    """The variant's (None: the original's) measured speed, when the recipe asks for it."""
+    if recipe.speed is None:
+        return None
+    from recipes.speed import measure
+
+    task = progress.add_task(f"{variant.name if variant else 'original'}: speed", total=None)
+    try:
+        return measure(ckpt.path, variant, files, recipe.speed, recipe.evaluation.text, tokenizer)
+    finally:
+        progress.remove_task(task)
 
 
 def _calibration_windows(tokenizer, calibration: Calibration) -> torch.Tensor:

@@ -36,6 +36,7 @@ class Keys:
             "quantbench": _source_digest(),
             "model": {"config": ckpt.config, "files": _folder_stat(ckpt.path)},
             "evaluation": {"text": _sha256(ev.text), "window": ev.window, "max_windows": ev.max_windows},
+            "speed": recipe.speed.model_dump() if recipe.speed else None,
         }
         cal = recipe.calibration
         self._calibration = None if cal is None else {

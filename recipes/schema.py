@@ -286,12 +286,24 @@ class Calibration(_Strict):
     seed: int = Field(default=0, ge=0, le=2**63 - 1)  # what torch's generator takes
 
 
+class Speed(_Strict):
+    """Measured speed in the report: every variant that can run does this workload (prompts cut from
+    the evaluation text, greedy, EOS ignored; runner/bench.py): the engine for the original, a KV
+    cache, and compressed-tensors or GPTQ exports; llama.cpp for GGUF files."""
+
+    requests: int = Field(default=32, ge=1)
+    concurrency: int = Field(default=8, ge=1)
+    prompt_tokens: list[Annotated[int, Field(ge=1)]] = Field(default=[32, 64, 128, 256], min_length=1)
+    output_tokens: list[Annotated[int, Field(ge=1)]] = Field(default=[16, 64, 128, 256], min_length=1)
+
+
 class Recipe(_Strict):
     model: FilePath
     evaluation: Evaluation
     calibration: Calibration | None = None
     variants: list[Variant] = Field(min_length=1)
     output: FilePath | None = None
+    speed: Speed | None = None
 
     @model_validator(mode="after")
     def _calibrated_variants_need_calibration(self) -> "Recipe":

@@ -76,9 +76,9 @@ class BenchResult:
         return asdict(self)
 
 
-def workload_prompts(llm: LLM, text: Path, workload: Workload) -> list[list[int]]:
+def workload_prompts(tokenizer, text: Path, workload: Workload) -> list[list[int]]:
     """Consecutive cuts of ``text``, one per request, at the prompt lengths in turn."""
-    ids = llm.tokenizer(read_text(text), add_special_tokens=False)["input_ids"]
+    ids = tokenizer(read_text(text), add_special_tokens=False)["input_ids"]
     lengths = [workload.prompt_tokens[i % len(workload.prompt_tokens)] for i in range(workload.requests)]
     if sum(lengths) > len(ids):
         raise InputError(f"{text}: {len(ids)} tokens, fewer than the {sum(lengths)} the prompts take")
@@ -86,10 +86,13 @@ def workload_prompts(llm: LLM, text: Path, workload: Workload) -> list[list[int]
     return [ids[s : s + n] for s, n in zip(starts, lengths)]
 
 
+def output_lengths(workload: Workload) -> list[int]:
+    return [workload.output_tokens[i % len(workload.output_tokens)] for i in range(workload.requests)]
+
+
 def run_bench(llm: LLM, text: Path, workload: Workload, on_request: Callable[[], None] = lambda: None) -> BenchResult:
-    prompts = workload_prompts(llm, text, workload)
-    params = [SamplingParams(max_tokens=workload.output_tokens[i % len(workload.output_tokens)], temperature=0,
-                             ignore_eos=True) for i in range(workload.requests)]
+    prompts = workload_prompts(llm.tokenizer, text, workload)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in output_lengths(workload)]
     pending = deque(zip(prompts, params))
     in_flight: list[Sequence] = []
     done: list[Sequence] = []
@@ -116,3 +119,34 @@ def run_bench(llm: LLM, text: Path, workload: Workload, on_request: Callable[[],
         preemptions=engine.scheduler.preemptions - preempted,
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     )
+
+
+def run_llama_cpp(gguf: Path, prompts: list[list[int]], outputs: list[int], threads: int | None = None) -> BenchResult:
+    """The same workload through llama.cpp (llama-cpp-python), one request at a time, greedy, EOS
+    ignored: how a GGUF variant runs where users run it. Its KV cache holds one sequence."""
+    from llama_cpp import Llama
+
+    llm = Llama(str(gguf), n_ctx=max(len(p) + n for p, n in zip(prompts, outputs)), n_batch=512, verbose=False,
+                n_threads=threads or None, logits_all=False)
+    ttft, tpot, itl, tokens = [], [], [], 0
+    start = time.perf_counter()
+    for prompt, n in zip(prompts, outputs):
+        llm.reset()
+        arrival = time.perf_counter()
+        times = []
+        llm.eval(prompt)
+        for _ in range(n):
+            token = int(llm.scores[llm.n_tokens - 1].argmax())  # greedy on the last position's logits
+            times.append(time.perf_counter())
+            llm.eval([token])
+        tokens += n
+        ttft.append(times[0] - arrival)
+        if n > 1:
+            tpot.append((times[-1] - times[0]) / (n - 1))
+        itl += [b - a for a, b in zip(times, times[1:])]
+    seconds = time.perf_counter() - start
+    return BenchResult(model=str(gguf), requests=len(prompts), concurrency=1, seconds=seconds, output_tokens=tokens,
+                       output_tokens_per_s=tokens / seconds, requests_per_s=len(prompts) / seconds,
+                       ttft_s=Summary.of(ttft), tpot_s=Summary.of(tpot), itl_s=Summary.of(itl), kv_blocks_peak=0,
+                       kv_blocks_total=0, preemptions=0,
+                       peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
