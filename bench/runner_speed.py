@@ -2,7 +2,9 @@
 
 Workload: 32 requests; prompts cut one after another from the evaluation text at 32, 64, 128 and
 256 tokens in turn; outputs of 16, 64, 128 and 256 tokens in turn; greedy, EOS ignored; the shared
-ref model in bf16; every side on the same ``--threads`` cores. Baselines, each measured here:
+ref model in bf16; every side on the same ``--threads`` cores. Ours runs them all, at most 16 at a
+time (the row the targets are for: more at a time trades per-token latency for throughput) and
+all 32 at once. Baselines, each measured here:
 
 - transformers ``generate`` in static batches of 8 with left padding (each batch runs to its
   longest output; only the requested tokens count): output tokens/s, mean TTFT and TPOT, with
@@ -46,11 +48,11 @@ def workload(llm) -> tuple[list[list[int]], list[int]]:
     return workload_prompts(llm.tokenizer, TEXT, w), [w.output_tokens[i % 4] for i in range(w.requests)]
 
 
-def ours(model: Path) -> dict:
+def ours(model: Path, max_num_seqs: int) -> dict:
     from runner.bench import Workload, run_bench
     from runner.engine.llm import LLM
 
-    llm = LLM(model, dtype="bf16", kv_memory=1 << 30)
+    llm = LLM(model, dtype="bf16", kv_memory=1 << 30, max_num_seqs=max_num_seqs)
     run_bench(llm, TEXT, Workload(requests=4, concurrency=4, output_tokens=(8,)))  # warm-up
     r = run_bench(llm, TEXT, Workload(requests=32, concurrency=32))
     return {"tokens_per_s": r.output_tokens_per_s, "ttft_s": r.ttft_s.mean, "tpot_s": r.tpot_s.mean, "seconds": r.seconds}
@@ -198,16 +200,24 @@ def llama_server(model: Path, prompts: list[list[int]], outputs: list[int], thre
 
 VLLM = r"""
 import json, sys, time
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-prompts, outputs = json.loads(open(sys.argv[2]).read())
-llm = LLM(sys.argv[1], dtype="bfloat16", max_model_len=1024, seed=0)
-params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in outputs]
-llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params[0])  # warm-up
-start = time.perf_counter()
-outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
-seconds = time.perf_counter() - start
-print("RESULT " + json.dumps({"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": seconds}))
+
+
+def main():  # vLLM starts its engine core in a spawned process, which imports this file again
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts, outputs = json.loads(open(sys.argv[2]).read())
+    llm = LLM(sys.argv[1], dtype="bfloat16", max_model_len=1024, seed=0)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in outputs]
+    llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params[0])  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    seconds = time.perf_counter() - start
+    print("RESULT " + json.dumps({"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": seconds}))
+
+
+if __name__ == "__main__":
+    main()
 """
 
 
@@ -215,10 +225,12 @@ def vllm(model: Path, prompts: list[list[int]], outputs: list[int], threads: int
     python = ANCHORS / "vllm" / "bin" / "python"
     if not python.exists():
         return "skipped: bash bench/anchors/setup.sh vllm installs it (about 75 s)"
-    data = work / "workload.json"
+    data, script = work / "workload.json", work / "vllm_offline.py"
     data.write_text(json.dumps([prompts, outputs]))
+    script.write_text(VLLM)
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.run([str(python), "-c", VLLM, str(model), str(data)], capture_output=True, text=True, env=env, timeout=1800)
+    proc = subprocess.run([str(python), str(script), str(model), str(data)], capture_output=True, text=True, env=env,
+                          timeout=1800)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     if line is None:
         return f"skipped: vLLM failed ({(proc.stderr.strip().splitlines() or ['no output'])[-1][:200]})"
@@ -238,7 +250,7 @@ def main() -> None:
     from runner.engine.llm import LLM
 
     prompts, outputs = workload(LLM(args.model, dtype="bf16", kv_memory=64 * 2**20))
-    rows: dict[str, object] = {"quantbench": ours(args.model),
+    rows: dict[str, object] = {"quantbench": ours(args.model, 16), "quantbench, all 32 at once": ours(args.model, 32),
                                "transformers static batches of 8": transformers_static(args.model, prompts, outputs)}
     try:
         rows["transformers continuous batching"] = transformers_continuous(args.model, prompts, outputs)
@@ -250,12 +262,14 @@ def main() -> None:
         rows["vLLM CPU"] = vllm(args.model, prompts, outputs, args.threads, Path(work))
     ours_row, static = rows["quantbench"], rows["transformers static batches of 8"]
     ratios = {"tokens/s vs transformers static (target >= 3)": ours_row["tokens_per_s"] / static["tokens_per_s"],
+              "tokens/s, all 32 at once, vs transformers static": rows["quantbench, all 32 at once"]["tokens_per_s"] / static["tokens_per_s"],
               "mean TTFT vs transformers static (target < 1)": ours_row["ttft_s"] / static["ttft_s"],
               "mean TPOT vs transformers static (target < 1)": ours_row["tpot_s"] / static["tpot_s"]}
+    best = max(ours_row["tokens_per_s"], rows["quantbench, all 32 at once"]["tokens_per_s"])
     for name, goal in (("transformers continuous batching", ">= 1"), ("llama.cpp server, 8 slots, F16", "goal: match"),
                        ("vLLM CPU", "goal: beat")):
         if isinstance(rows[name], dict):
-            ratios[f"tokens/s vs {name} ({goal})"] = ours_row["tokens_per_s"] / rows[name]["tokens_per_s"]
+            ratios[f"tokens/s (best of ours) vs {name} ({goal})"] = best / rows[name]["tokens_per_s"]
     one = rows["one sequence"]
     for q in ("int8", "int4"):
         ratios[f"one sequence {q} vs bf16 (target > 1)"] = one[q]["tokens_per_s"] / one["bf16"]["tokens_per_s"]

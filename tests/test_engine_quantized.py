@@ -56,10 +56,10 @@ def test_low_bit_kernels_give_the_dense_exports_tokens(variants, name):
     _, dense = run(variants / name / "safetensors", prompts)
     for export in VARIANTS[name][1]:
         llm, ours = run(variants / name / export, prompts)
-        assert {layer[m].kind for layer in llm.engine.model.layers for m in ("q", "k", "v", "o", "gate", "up", "down")} \
+        assert {linear.kind for layer in llm.engine.model.layers for m in ("qkv", "o", "gate_up", "down") for linear in layer[m]} \
             == {VARIANTS[name][2]}
         if name == "gptq-int4-actorder":  # g_idx groups: the kernel reads the inputs in group order
-            assert all(layer["q"].order is not None for layer in llm.engine.model.layers)
+            assert all(layer["qkv"][0].order is not None for layer in llm.engine.model.layers)
         assert [o.token_ids for o in ours] == [o.token_ids for o in dense]
         for a, b in zip(ours, dense):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
@@ -68,14 +68,15 @@ def test_low_bit_kernels_give_the_dense_exports_tokens(variants, name):
 def test_a_recipe_variant_folder_runs_its_compressed_tensors_export(variants):
     llm = LLM(variants / "int4-g64", dtype="fp32", kv_memory=16 * 2**20)
     assert llm.engine.ckpt.path == variants / "int4-g64" / "compressed-tensors"
-    assert llm.engine.model.layers[0]["q"].kind == "int4"
+    assert llm.engine.model.layers[0]["qkv"][0].kind == "int4"
 
 
 def test_the_low_bit_weights_are_what_the_engine_holds(variants):
     """An int4 variant's layers keep packed codes (half a byte a weight), not a float copy."""
     llm = LLM(variants / "int4-g64", dtype="bf16", kv_memory=16 * 2**20)
-    q = llm.engine.model.layers[0]["q"]
-    assert q.packed.numel() * q.packed.element_size() == 256 * 256 // 2 and not hasattr(q, "weight")
+    qkv = llm.engine.model.layers[0]["qkv"]  # q, k and v of the tiny model: 256 + 128 + 128 rows of 256 inputs
+    assert len(qkv) == 1 and qkv[0].packed.numel() * qkv[0].packed.element_size() == 512 * 256 // 2
+    assert not hasattr(qkv[0], "weight")
 
 
 @pytest.mark.parametrize("damage, fragment", [

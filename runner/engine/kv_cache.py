@@ -71,10 +71,15 @@ class _Store:
             self.scales[layer][block, :, offset] = torch.from_numpy(scales).to(self.scales.device)
 
     def get(self, layer: int, *index) -> torch.Tensor:
-        codes = self.codes[layer][index]
+        """Dequantized entries: of whole blocks (``index``: block ids; index_select, several times as
+        fast as advanced indexing on a CPU), or of slots (``block, :, offset``)."""
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return torch.index_select(t[layer], 0, index[0]) if len(index) == 1 else t[layer][index]
+
+        codes = pick(self.codes)
         if self.cache in FLOAT_CACHES or self.cache == "fp8":
             return codes.to(self.compute)
-        scales = self.scales[layer][index].float()
+        scales = pick(self.scales).float()
         if self.cache == "int8":
             values = codes.float().unflatten(-1, (-1, 32))
         else:  # q4_0: byte j of a block holds value j in its low nibble and value j + 16 in its high one

@@ -89,6 +89,28 @@ class Int4Linear(Linear):
         return y if self.bias is None else y + self.bias
 
 
+def fused(weights: list[TensorPayload], biases: list[torch.Tensor | None]) -> tuple[TensorPayload, torch.Tensor | None] | None:
+    """Linears that read the same input (q, k and v; gate and up) as one, their output rows one
+    after the other: one product instead of several. None where they do not stack (some quantized
+    and some not, or with different schemes or act-order groups)."""
+    if all(isinstance(w, torch.Tensor) for w in weights):
+        weight = torch.cat(weights, 0)
+    elif all(isinstance(w, QuantizedTensor) for w in weights):
+        first = weights[0]
+        same_groups = all((w.group_index is None) == (first.group_index is None) and
+                          (w.group_index is None or torch.equal(w.group_index, first.group_index)) for w in weights)
+        if not same_groups or any(w.spec != first.spec for w in weights) or first.spec.granularity == "block":
+            return None
+        weight = QuantizedTensor(first.spec, torch.cat([w.codes for w in weights]), torch.cat([w.scales for w in weights]),
+                                 torch.cat([w.zeros for w in weights]), first.group_index)
+    else:
+        return None
+    if all(b is None for b in biases):
+        return weight, None
+    rows = [w.shape[0] for w in weights]
+    return weight, torch.cat([b if b is not None else torch.zeros(n) for b, n in zip(biases, rows)])
+
+
 def make_linear(weight: TensorPayload, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> Linear:
     """The fastest layer this machine has for ``weight`` (a float tensor or a quantized one)."""
     bias = None if bias is None else bias.to(device=device, dtype=dtype)

@@ -28,7 +28,7 @@ from formats.hf import HFCheckpoint
 from formats.quantized_checkpoint import QuantizedCheckpoint
 from quant.types import Architecture, InputError
 from runner.engine.kv_cache import KVPool
-from runner.engine.linear import Linear, make_linear
+from runner.engine.linear import Linear, fused, make_linear
 
 RUNNABLE = ("llama", "mistral", "qwen2")
 
@@ -107,9 +107,14 @@ class DecoderModel:
         def load(name: str) -> torch.Tensor:
             return ckpt.tensor(name).to(device=device, dtype=dtype)
 
-        def linear(prefix: str) -> Linear:
-            bias = f"{prefix}.bias"
-            return make_linear(ckpt.payload(f"{prefix}.weight"), ckpt.tensor(bias) if bias in ckpt.names else None, dtype, device)
+        def linear(*modules: str) -> list[Linear]:
+            """One layer for the modules (fused where they stack), called once; the outputs split."""
+            weights = [ckpt.payload(f"{m}.weight") for m in modules]
+            biases = [ckpt.tensor(f"{m}.bias") if f"{m}.bias" in ckpt.names else None for m in modules]
+            stacked = fused(weights, biases) if len(modules) > 1 else (weights[0], biases[0])
+            if stacked is None:
+                return [make_linear(w, b, dtype, device) for w, b in zip(weights, biases)]
+            return [make_linear(*stacked, dtype, device)]
 
         self.embed = load("model.embed_tokens.weight")
         self.layers = []
@@ -117,10 +122,14 @@ class DecoderModel:
             p = f"model.layers.{i}."
             self.layers.append({
                 "attn_norm": load(p + "input_layernorm.weight"), "mlp_norm": load(p + "post_attention_layernorm.weight"),
-                **{name: linear(p + module) for name, module in (
-                    ("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"), ("o", "self_attn.o_proj"),
-                    ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"))},
+                "qkv": linear(p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"),
+                "o": linear(p + "self_attn.o_proj"),
+                "gate_up": linear(p + "mlp.gate_proj", p + "mlp.up_proj"),
+                "down": linear(p + "mlp.down_proj"),
             })
+        kv = arch.kv_heads[0]
+        self._qkv = [arch.heads * arch.head_dim, kv * arch.head_dim, kv * arch.value_dim]
+        self._gate_up = [arch.intermediate, arch.intermediate]
         self.norm = load("model.norm.weight")
         # A tied head multiplies by the embedding itself (a packed copy would double its memory).
         self.lm_head = Linear(self.embed, None) if "lm_head.weight" not in ckpt.names else \
@@ -136,9 +145,8 @@ class DecoderModel:
         cos, sin = self._rotary(step.positions)
         for index, layer in enumerate(self.layers):
             h = self._norm(x, layer["attn_norm"])
-            q = layer["q"](h).view(-1, a.heads, a.head_dim)
-            k = layer["k"](h).view(-1, a.kv_heads[0], a.head_dim)
-            v = layer["v"](h).view(-1, a.kv_heads[0], a.value_dim)
+            q, k, v = _outputs(layer["qkv"], h, self._qkv)
+            q, k, v = q.view(-1, a.heads, a.head_dim), k.view(-1, a.kv_heads[0], a.head_dim), v.view(-1, a.kv_heads[0], a.value_dim)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             pool.write(index, step.slots, k, v)
             q = pool.queries(q)
@@ -148,9 +156,10 @@ class DecoderModel:
                 out[step.decode.rows] = self._decode_attention(q[step.decode.rows], pool, index, step.decode, window)
             if step.prefill is not None:
                 out[step.prefill.rows[step.prefill.valid]] = self._prefill_attention(q, pool, index, step.prefill, window)
-            x = x + layer["o"](pool.outputs(out).to(x.dtype).flatten(1))
+            x = x + layer["o"][0](pool.outputs(out).to(x.dtype).flatten(1))
             h = self._norm(x, layer["mlp_norm"])
-            x = x + layer["down"](F.silu(layer["gate"](h)) * layer["up"](h))
+            gate, up = _outputs(layer["gate_up"], h, self._gate_up)
+            x = x + layer["down"][0](F.silu(gate) * up)
         x = self._norm(x[step.sample_rows], self.norm)
         return self.lm_head(x).float()
 
@@ -200,6 +209,13 @@ class DecoderModel:
             attn_mask=mask[:, None], scale=self.scale, enable_gqa=True,
         )  # [chunks, heads, tokens, dim]
         return out.transpose(1, 2)[p.valid]
+
+
+def _outputs(layers: list[Linear], x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """The outputs of modules that read ``x``: one fused product split, or one product each."""
+    if len(layers) == 1:
+        return list(layers[0](x).split(sizes, -1))
+    return [layer(x) for layer in layers]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
