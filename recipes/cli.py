@@ -157,15 +157,18 @@ _SEQS = typer.Option(256, "--max-num-seqs", help="Most sequences running at once
 _TOKENS = typer.Option(2048, "--max-num-batched-tokens", help="Most tokens in one step (decode tokens and prompt chunks).")
 _KV_MEMORY = typer.Option(None, "--kv-memory", help="KV pool: bytes (e.g. 2GiB, 512MiB) or a share of free memory (e.g. 0.3); default 0.5.")
 _MAX_LEN = typer.Option(None, "--max-model-len", help="Longest sequence, prompt and output (default: the model's context).")
+_PREFIX = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching",
+                       help="Share the KV blocks of prompts' common starts between requests.")
 
 
 def _llm(model: Path, dtype: str, kv_cache_dtype: str, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-         kv_memory: Optional[str], max_model_len: Optional[int]):
+         kv_memory: Optional[str], max_model_len: Optional[int], enable_prefix_caching: bool):
     from runner.engine.engine import parse_memory
     from runner.engine.llm import LLM
 
     return LLM(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens,
-               parse_memory(kv_memory) if kv_memory is not None else None, max_model_len)
+               parse_memory(kv_memory) if kv_memory is not None else None, max_model_len,
+               enable_prefix_caching=enable_prefix_caching)
 
 
 @app.command()
@@ -179,12 +182,14 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Makes sampling reproducible."),
     dtype: str = _DTYPE, kv_cache_dtype: str = _KV_DTYPE, block_size: int = _BLOCK, max_num_seqs: int = _SEQS,
     max_num_batched_tokens: int = _TOKENS, kv_memory: Optional[str] = _KV_MEMORY, max_model_len: Optional[int] = _MAX_LEN,
+    enable_prefix_caching: bool = _PREFIX,
 ) -> None:
     """Continue a prompt with the engine, streaming the text to the terminal."""
     from runner.engine.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    llm = _llm(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, kv_memory, max_model_len)
+    llm = _llm(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, kv_memory, max_model_len,
+               enable_prefix_caching)
     sys.stdout.write(prompt)
     for piece in llm.stream(prompt, params):
         sys.stdout.write(piece)
@@ -203,6 +208,7 @@ def bench(
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout (fields in docs/runner.md)."),
     dtype: str = _DTYPE, kv_cache_dtype: str = _KV_DTYPE, block_size: int = _BLOCK, max_num_seqs: int = _SEQS,
     max_num_batched_tokens: int = _TOKENS, kv_memory: Optional[str] = _KV_MEMORY, max_model_len: Optional[int] = _MAX_LEN,
+    enable_prefix_caching: bool = _PREFIX,
 ) -> None:
     """Measure the engine on a fixed workload: TTFT, TPOT, inter-token latency, tokens/s, KV blocks, memory."""
     import json
@@ -211,7 +217,8 @@ def bench(
     from runner.bench import Workload, run_bench
 
     workload = Workload(requests, concurrency, _lengths(prompt_tokens, "--prompt-tokens"), _lengths(output_tokens, "--output-tokens"))
-    llm = _llm(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, kv_memory, max_model_len)
+    llm = _llm(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, kv_memory, max_model_len,
+               enable_prefix_caching)
     with progress_bar(console) as progress:
         task = progress.add_task("requests", total=workload.requests)
         result = run_bench(llm, text or Path(__file__).parent / "bundled" / "eval.txt", workload, lambda: progress.advance(task))
@@ -225,6 +232,30 @@ def bench(
     stdout.print(f"{result.output_tokens:,} output tokens in {result.seconds:.2f} s: {result.output_tokens_per_s:,.1f} tokens/s, "
                  f"{result.requests_per_s:.2f} requests/s; KV blocks at peak {result.kv_blocks_peak:,} of "
                  f"{result.kv_blocks_total:,}; {result.preemptions} preemptions; peak RSS {result.peak_rss_mib:,.0f} MiB")
+
+
+@app.command()
+def serve(
+    model: Path = typer.Argument(..., help="A Hugging Face model folder, a recipe's variant folder, or its export."),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on /v1."),
+    max_waiting: int = typer.Option(256, "--max-waiting", help="Requests queued beyond the running ones before 429."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model's name in the API (default: the folder's)."),
+    chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="A Jinja chat template file (default: the tokenizer's, else plain 'Role: text')."),
+    dtype: str = _DTYPE, kv_cache_dtype: str = _KV_DTYPE, block_size: int = _BLOCK, max_num_seqs: int = _SEQS,
+    max_num_batched_tokens: int = _TOKENS, kv_memory: Optional[str] = _KV_MEMORY, max_model_len: Optional[int] = _MAX_LEN,
+    enable_prefix_caching: bool = _PREFIX,
+) -> None:
+    """Serve a model with the engine behind an OpenAI-compatible API (completions, chat, streaming, /metrics)."""
+    from runner.server.serve import check_address
+    from runner.server.serve import serve as run_server
+
+    check_address(host, port)
+    llm = _llm(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, kv_memory, max_model_len,
+               enable_prefix_caching)
+    run_server(llm, host, port, served_model_name or model.resolve().name, api_key, max_waiting, chat_template,
+               lambda line: console.print(escape(line), highlight=False))
 
 
 def _lengths(text: str, flag: str) -> tuple[int, ...]:

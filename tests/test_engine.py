@@ -245,18 +245,68 @@ def test_a_quantized_cache_computes_what_the_recipe_simulation_scored(models, pr
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
     model = AutoModelForCausalLM.from_pretrained(models[name], dtype=torch.float32).eval()
     adjacent = HFCheckpoint.open(models[name]).arch.rope_pairs_adjacent_in_gguf
-    with torch.no_grad(), simulated_kv_cache(model, KVCacheSpec(cache), adjacent):
+    to_simulation, to_float = [], []
+    with torch.no_grad():
         for p, o in zip(prompts[:4], outs):
-            logits = model(torch.tensor([p + o.token_ids])).logits[0, len(p) - 1 : -1]
-            expected = torch.log_softmax(logits, -1)
+            ids, chosen = torch.tensor([p + o.token_ids]), torch.tensor(o.token_ids)[:, None]
+            with simulated_kv_cache(model, KVCacheSpec(cache), adjacent):
+                expected = torch.log_softmax(model(ids).logits[0, len(p) - 1 : -1], -1)
+            unquantized = torch.log_softmax(model(ids).logits[0, len(p) - 1 : -1], -1)
             assert o.token_ids == expected.argmax(-1).tolist()
-            # a value on a rounding edge of q8_0/q4_0 may round the other way after float noise: a
-            # few differences of 1e-3, most none
-            diff = (torch.tensor(o.logprobs) - expected.gather(1, torch.tensor(o.token_ids)[:, None])[:, 0]).abs()
-            assert diff.max() < 3e-3 and diff.mean() < 3e-4, diff
+            to_simulation.append((torch.tensor(o.logprobs) - expected.gather(1, chosen)[:, 0]).abs())
+            to_float.append((torch.tensor(o.logprobs) - unquantized.gather(1, chosen)[:, 0]).abs())
+    # Float noise (other summation orders, attention in the rotated space) moves a few values across
+    # a q8_0/q4_0 rounding edge now and then, and each such value moves the log-probabilities by
+    # about 1e-3 (how often depends on the CPU's kernels): the engine is much nearer the
+    # simulation than the unquantized model is, and fp8 (no rounding edges crossed) equals it.
+    to_simulation, to_float = torch.cat(to_simulation), torch.cat(to_float)
+    assert to_simulation.mean() < (1e-4 if cache == "fp8" else 0.3 * to_float.mean()), (to_simulation, to_float)
 
 
 def test_a_quantized_cache_holds_more_tokens_in_the_same_memory():
     sizes = {cache: LLM(TINY, kv_cache_dtype=cache, kv_memory=8 * 2**20).engine.blocks.num_blocks for cache in ("bf16", "int8", "int4")}
     assert sizes["int8"] == pytest.approx(sizes["bf16"] * 16 / 8.5, rel=0.01)
     assert sizes["int4"] == pytest.approx(sizes["bf16"] * 16 / 4.5, rel=0.01)
+
+
+def shared_start_prompts(start: int = 70, tails=(1, 5, 16, 23, 40, 2, 9, 33)) -> list[list[int]]:
+    """Prompts that begin with the same ``start`` tokens (a system prompt), then differ."""
+    ids = prompts_from_text([2000])[0]
+    return [ids[:start] + ids[1000 + 50 * i : 1000 + 50 * i + t] for i, t in enumerate(tails)]
+
+
+@pytest.mark.parametrize("name, engine", [
+    ("llama-untied", {}), ("llama-untied", {"block_size": 7}), ("mistral", {}),
+    ("qwen2-wide", {"kv_cache_dtype": "int4"}),  # cached blocks hold q4_0 codes, shared as they are
+])
+def test_prefix_caching_shares_blocks_and_changes_no_token(models, name, engine):
+    prompts = shared_start_prompts()
+    params = SamplingParams(max_tokens=OUTPUT, temperature=0, ignore_eos=True)
+    plain = LLM(models[name], dtype="fp32", kv_memory=32 * 2**20, enable_prefix_caching=False, **engine)
+    reference = [o.token_ids for o in plain.generate(prompts, params)]
+    assert plain.engine.blocks.hit_tokens == 0
+    llm = LLM(models[name], dtype="fp32", kv_memory=32 * 2**20, **engine)
+    first = llm.generate(prompts[:1], params)  # computes and caches the shared start
+    rest = llm.generate(prompts[1:] + prompts[:1], params)  # the first prompt again: all but its last block cached
+    assert [o.token_ids for o in first + rest[:-1]] == reference and rest[-1].token_ids == reference[0]
+    bs = llm.engine.config.block_size
+    assert llm.engine.blocks.hit_tokens >= len(prompts) * (70 // bs) * bs
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+
+
+def test_cached_blocks_give_way_least_recently_used_first(models):
+    """A pool too small to keep every prefix: old ones are evicted, outputs stay the same."""
+    from formats.hf import HFCheckpoint
+    from runner.engine.kv_cache import bytes_per_token
+
+    prompts = prompts_from_text([60, 50, 40, 60, 30, 60, 50, 40]) + shared_start_prompts()
+    params = SamplingParams(max_tokens=OUTPUT, temperature=0, ignore_eos=True)
+    reference = [o.token_ids for o in LLM(models["mistral"], dtype="fp32", kv_memory=32 * 2**20, max_model_len=128,
+                                          enable_prefix_caching=False).generate(prompts, params)]
+    per_block = bytes_per_token(HFCheckpoint.open(models["mistral"]).arch, "fp32") * 16
+    llm = LLM(models["mistral"], dtype="fp32", kv_memory=14 * per_block, max_model_len=128)
+    ours = [llm.generate(p, params)[0].token_ids for p in prompts]  # one at a time: each leaves its blocks cached
+    assert ours == reference
+    blocks = llm.engine.blocks
+    assert blocks.hit_tokens > 0
+    assert blocks.num_free == blocks.num_blocks

@@ -34,7 +34,7 @@ class EngineConfig:
 
     ``kv_memory``: bytes for the KV pool, or a share (0 to 1] of the memory available now (after the
     weights are loaded); ``max_model_len``: the longest sequence, prompt and output (default: the
-    model's context)."""
+    model's context); ``enable_prefix_caching``: share the KV blocks of prompts' common starts."""
 
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -44,6 +44,7 @@ class EngineConfig:
     kv_memory: float | int | None = None
     max_model_len: int | None = None
     seed: int = 0
+    enable_prefix_caching: bool = True
 
 
 class Engine:
@@ -76,7 +77,7 @@ class Engine:
                              f"one sequence of max_model_len {self.max_model_len} needs {needed} "
                              f"({needed * per_block / 2**20:,.1f} MiB): give more kv_memory or a smaller max_model_len")
         self.pool = KVPool(arch, num_blocks, config.block_size, cache, dtype, self.device)
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos = {t for t in (_as_list(self.ckpt.config.get("eos_token_id"))) if isinstance(t, int)}
         self._next_id = 0
@@ -131,17 +132,19 @@ class Engine:
         logits = self.model.forward(step, self.pool)
         for seq, n in scheduled:
             seq.num_computed += n
+            self.blocks.cache_full_blocks(seq)
         if not sampled:
             return []
         tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled]).tolist()
-        logprobs = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist() \
-            if any(s.params.logprobs is not None for s in sampled) else [None] * len(sampled)
+        logprobs, top = _logprobs(logits, tokens, [s.params.logprobs for s in sampled])
         finished = []
         now = time.perf_counter()
-        for seq, token, logprob in zip(sampled, tokens, logprobs):
+        for seq, token, logprob, alternatives in zip(sampled, tokens, logprobs, top):
             seq.output_ids.append(token)
             if seq.params.logprobs is not None:
                 seq.logprobs.append(logprob)
+            if seq.params.logprobs:
+                seq.top_logprobs.append(alternatives)
             seq.token_times.append(now)
             reason = self._finish_reason(seq, token)
             if reason:
@@ -238,6 +241,21 @@ def _prefill_batch(prefill: list[tuple[int, int, int]], scheduled, table: torch.
     key_slots = torch.where((key_pos < end).to(dev), key_slots, 0)
     return PrefillBatch(rows=rows, key_slots=key_slots, query_pos=query_pos.to(dev), key_pos=key_pos.to(dev),
                         valid=valid.to(dev))
+
+
+def _logprobs(logits: torch.Tensor, tokens: list[int], asked: list[int | None]) -> tuple[list, list]:
+    """Per row: the chosen token's log-probability (where asked), and the ``asked`` most likely
+    tokens with theirs (where more than 0 are asked)."""
+    rows = len(tokens)
+    if all(a is None for a in asked):
+        return [None] * rows, [None] * rows
+    logp = torch.log_softmax(logits, -1)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    most = max(a or 0 for a in asked)
+    if most == 0:
+        return chosen, [None] * rows
+    values, ids = (t.tolist() for t in logp.topk(most, -1))
+    return chosen, [dict(zip(i[:a], v[:a])) if a else None for i, v, a in zip(ids, values, asked)]
 
 
 def parse_memory(text: str) -> float | int:

@@ -19,6 +19,7 @@ class RequestOutput:
     token_ids: list[int]  # the generated tokens
     finish_reason: str
     logprobs: list[float] | None  # of each chosen token, where asked for
+    top_logprobs: list[dict[int, float]] | None  # the likeliest tokens at each step, where more than 0 asked for
     metrics: Metrics
 
 
@@ -27,9 +28,9 @@ class LLM:
 
     def __init__(self, model: str | Path, dtype: str = "auto", kv_cache_dtype: str = "auto", block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, kv_memory: float | int | None = None,
-                 max_model_len: int | None = None, seed: int = 0):
+                 max_model_len: int | None = None, seed: int = 0, enable_prefix_caching: bool = True):
         self.engine = Engine(model, EngineConfig(dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens,
-                                                 kv_memory, max_model_len, seed))
+                                                 kv_memory, max_model_len, seed, enable_prefix_caching))
         self.tokenizer = load_tokenizer(self.engine.ckpt)
 
     def generate(self, prompts: str | list[int] | list[str | list[int]],
@@ -53,13 +54,22 @@ class LLM:
         shown = 0
         while seq.finish_reason is None:
             self.step()
-            text = seq.text if seq.finish_reason else self._text(seq)
-            safe = len(text.rstrip("\ufffd")) if seq.finish_reason is None else len(text)  # not half a character
-            if seq.finish_reason is None and seq.params.stop:
-                safe = min(safe, max(0, len(text) - max(len(s) for s in seq.params.stop) + 1))  # not half a stop string
-            if safe > shown:
-                yield text[shown:safe]
-                shown = safe
+            text = self.visible_text(seq)
+            if len(text) > shown:
+                yield text[shown:]
+                shown = len(text)
+
+    def visible_text(self, seq: Sequence) -> str:
+        """The output text that can be shown now: all of it once finished; before that, not half a
+        character (a byte-level token may end mid-character) nor what may be the start of a stop
+        string. It only ever grows."""
+        if seq.finish_reason is not None:
+            return seq.text
+        text = self._text(seq)
+        safe = len(text.rstrip("\ufffd"))
+        if seq.params.stop:
+            safe = min(safe, max(0, len(text) - max(len(s) for s in seq.params.stop) + 1))
+        return text[:safe]
 
     def add(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         ids = prompt if isinstance(prompt, list) else self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
@@ -78,7 +88,8 @@ class LLM:
 
     def output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.prompt_ids, seq.text, seq.output_ids, seq.finish_reason,
-                             seq.logprobs if seq.params.logprobs is not None else None, seq.metrics)
+                             seq.logprobs if seq.params.logprobs is not None else None,
+                             seq.top_logprobs if seq.params.logprobs else None, seq.metrics)
 
     def _text(self, seq: Sequence) -> str:
         return self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)

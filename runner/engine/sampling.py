@@ -25,7 +25,7 @@ class SamplingParams:
     stop: list[str] | str | None = None  # generation ends before the first of these strings
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None  # None: none; 0 or more: the chosen token's log-probability
+    logprobs: int | None = None  # None: none; N >= 0: the chosen token's log-probability and the N likeliest's
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -7,6 +7,8 @@ the blocks they need are free. A finished sequence leaves at once, so its place 
 next step. When a running sequence needs a block and none is free, the newest running sequence is
 preempted: its blocks are freed and it waits at the head of the queue, to be recomputed from its
 prompt and the tokens it already produced (which are kept), so its output does not change.
+A sequence admitted takes the blocks of its start that the prefix cache holds, and computes only
+the rest.
 """
 
 from __future__ import annotations
@@ -54,12 +56,15 @@ class Scheduler:
             budget -= n
         while self.waiting and budget and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self.blocks.can_hold(seq, seq.num_computed + n):
+            found = self.blocks.match(seq)  # its start, where another sequence computed it already
+            cached = len(found) * self.blocks.block_size
+            n = min(seq.num_tokens - cached, budget)
+            if self.blocks.blocks_for(cached + n) - len(found) > self.blocks.free_after_match(found):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
+            self.blocks.take(seq, found)
             self.blocks.grow(seq, seq.num_computed + n)
             scheduled.append((seq, n))
             budget -= n

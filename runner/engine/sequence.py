@@ -37,9 +37,11 @@ class Sequence:
     generator: torch.Generator | None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per token, where logprobs > 0
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens whose keys and values are in the cache
     block_table: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
     finish_reason: str | None = None  # "stop" (EOS, a stop token or string) or "length"
     text: str = ""  # the detokenized output, cut before a stop string
     preemptions: int = 0
