@@ -248,10 +248,10 @@ def serve(
     enable_prefix_caching: bool = _PREFIX,
 ) -> None:
     """Serve a model with the engine behind an OpenAI-compatible API (completions, chat, streaming, /metrics)."""
-    from runner.server.serve import check_address
+    from runner.server.serve import check_options
     from runner.server.serve import serve as run_server
 
-    check_address(host, port)
+    check_options(host, port, max_waiting)
     llm = _llm(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, kv_memory, max_model_len,
                enable_prefix_caching)
     run_server(llm, host, port, served_model_name or model.resolve().name, api_key, max_waiting, chat_template,

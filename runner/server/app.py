@@ -1,0 +1,300 @@
+"""The OpenAI-compatible HTTP API on the engine: ``/v1/models``, ``/v1/completions``,
+``/v1/chat/completions`` (streamed as server-sent events or not), ``/health`` and ``/metrics``.
+
+Every error a client can cause comes back in OpenAI's shape with its status (400 invalid, 401 key,
+404 model or route, 413 prompt longer than the context, 429 queue full); a client that disconnects
+has its request aborted at once, streaming or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Depends, FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from runner.engine.sampling import SamplingParams
+from runner.server.async_engine import AsyncEngine, Overloaded, Request, Update
+from runner.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, usage
+
+# For a model whose tokenizer has no chat template (a base model): the conversation as plain text.
+PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n\n{% endfor %}"
+                       "{% if add_generation_prompt %}Assistant:{% endif %}")
+
+
+class Server:
+    """What the routes share: the engine, the tokenizer, the model's name and the API key."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, chat_template: str | None):
+        self.engine, self.model_name, self.api_key = engine, model_name, api_key
+        self.tokenizer = engine.llm.tokenizer
+        self.own_template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        self.chat_template = self.own_template or PLAIN_CHAT_TEMPLATE
+        self.max_model_len = engine.engine.max_model_len
+        self.vocab = engine.engine.arch.vocab
+
+    # -- requests to engine inputs ----------------------------------------------------------------
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"model {name!r} does not exist here; this server serves {self.model_name!r}", "model",
+                           "model_not_found")
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        else:
+            ids = list(prompt)
+            if any(not 0 <= t < self.vocab for t in ids):
+                raise APIError(400, f"prompt: a token id outside the vocabulary (0..{self.vocab - 1})", "prompt")
+        if not ids:
+            raise APIError(400, "prompt: empty", "prompt")
+        return ids
+
+    def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+        conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template, tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as error:  # the template refuses the conversation (jinja's raise_exception)
+            raise APIError(400, f"messages: the chat template refuses them: {error}", "messages") from None
+        # A model's own template writes its special tokens itself; the plain one relies on the tokenizer's.
+        return self.tokenizer(text, add_special_tokens=self.own_template is None)["input_ids"]
+
+    def params(self, body, ids: list[int], max_tokens: int | None, logprobs: int | None, param: str) -> SamplingParams:
+        if len(ids) >= self.max_model_len:
+            raise APIError(413, f"{param}: {len(ids)} tokens; this model's context is {self.max_model_len} tokens, "
+                                "prompt and output together", param, "context_length_exceeded")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if max_tokens is None else max_tokens
+        if max_tokens > room:
+            raise APIError(400, f"max_tokens {max_tokens}: the prompt's {len(ids)} tokens leave room for {room} in this "
+                                f"model's context of {self.max_model_len}", "max_tokens", "context_length_exceeded")
+        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                              seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
+                              ignore_eos=body.ignore_eos, logprobs=logprobs)
+
+    def submit(self, ids: list[int], params: SamplingParams) -> Request:
+        try:
+            return self.engine.submit(ids, params)
+        except Overloaded as error:
+            raise APIError(429, str(error), None, "rate_limit_exceeded") from None
+
+    # -- engine outputs to responses --------------------------------------------------------------
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def completion_logprobs(self, update_list: list[Update], offset: int) -> dict:
+        tokens = [t for u in update_list for t in u.token_ids]
+        chosen = [lp for u in update_list for lp in u.logprobs]
+        top = [d for u in update_list for d in u.top_logprobs]
+        texts = [self.token_text(t) for t in tokens]
+        offsets, at = [], offset
+        for text in texts:
+            offsets.append(at)
+            at += len(text)
+        return {"tokens": texts, "token_logprobs": chosen,
+                "top_logprobs": [{self.token_text(t): lp for t, lp in d.items()} for d in top] if top else None,
+                "text_offset": offsets}
+
+    def chat_logprobs(self, update_list: list[Update]) -> dict:
+        tokens = [t for u in update_list for t in u.token_ids]
+        chosen = [lp for u in update_list for lp in u.logprobs]
+        top = [d for u in update_list for d in u.top_logprobs] or [{}] * len(tokens)
+
+        def entry(token: int, logprob: float) -> dict:
+            text = self.token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in d.items()]}
+                            for t, lp, d in zip(tokens, chosen, top)]}
+
+
+async def updates(request: Request) -> AsyncIterator[Update]:
+    """A request's updates until its last; an engine error as an APIError."""
+    while True:
+        update = await request.updates.get()
+        if update.error is not None:
+            raise APIError(*update.error)
+        yield update
+        if update.finish_reason is not None:
+            return
+
+
+async def disconnected(http: HTTPRequest) -> None:
+    """Returns once the client has gone (the body was read already, so nothing else arrives)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, chat_template: str | None = None) -> FastAPI:
+    server = Server(engine, model_name, api_key, chat_template)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.close)
+
+    app = FastAPI(title="quantbench", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: HTTPRequest, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: HTTPRequest, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            where, message = "", "the body is not valid JSON"
+        elif first.get("type") in ("model_attributes_type", "dict_type") and not where:
+            message = "the body must be a JSON object"
+        return JSONResponse(APIError(400, f"{where}: {message}" if where else message, where or None).body(),
+                            status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: HTTPRequest, error: HTTPException) -> JSONResponse:
+        return JSONResponse(APIError(error.status_code, str(error.detail)).body(), status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def crash(_: HTTPRequest, error: Exception) -> JSONResponse:
+        return JSONResponse(APIError(500, f"internal error: {type(error).__name__}: {error}").body(), status_code=500)
+
+    def authorize(http: HTTPRequest) -> None:
+        if api_key is not None:
+            given = http.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                raise APIError(401, "a missing or wrong API key (Authorization: Bearer KEY)", None, "invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not engine.alive:
+            return JSONResponse(APIError(503, "the engine thread has stopped").body(), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        e = engine.engine
+        blocks = e.blocks
+        rate = blocks.hit_tokens / blocks.queried_tokens if blocks.queried_tokens else 0.0
+        text = engine.metrics.render([
+            ("num_requests_running", "gauge", "Requests in the running batch.", len(e.scheduler.running)),
+            ("num_requests_waiting", "gauge", "Requests queued or preempted.", len(e.scheduler.waiting)),
+            ("kv_blocks_used", "gauge", "KV-cache blocks held by requests.", blocks.num_blocks - blocks.num_free),
+            ("kv_blocks_free", "gauge", "KV-cache blocks free (cached prefixes among them).", blocks.num_free),
+            ("prefix_cache_hit_rate", "gauge", "Share of admitted prompt tokens found in the prefix cache.", rate),
+            ("prefix_cache_queried_tokens_total", "counter", "Prompt tokens looked up in the prefix cache.", blocks.queried_tokens),
+            ("prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the prefix cache.", blocks.hit_tokens),
+            ("preemptions_total", "counter", "Requests preempted for lack of KV blocks (recomputed later).", e.scheduler.preemptions),
+        ])
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @v1.get("/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "quantbench", "max_model_len": server.max_model_len}]}
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest):
+        server.check_model(body.model)
+        ids = server.prompt_ids(body.single_prompt())
+        params = server.params(body, ids, body.max_tokens, body.logprobs, "prompt")
+        return await respond(http, body, ids, params, chat=False)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
+        server.check_model(body.model)
+        ids = server.chat_ids(body)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = server.params(body, ids, body.max_completion_tokens or body.max_tokens, logprobs, "messages")
+        return await respond(http, body, ids, params, chat=True)
+
+    async def respond(http: HTTPRequest, body, ids: list[int], params: SamplingParams, chat: bool):
+        request = server.submit(ids, params)
+        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(stream(request, rid, created, chat, include_usage, len(ids)),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        got: list[Update] = []
+
+        async def collect() -> None:
+            async for update in updates(request):
+                got.append(update)
+
+        work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected(http))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():  # the client left (or the server is stopping): end its request now
+                work.cancel()
+                engine.abort(request)
+        if gone.done() and not work.done():
+            return PlainTextResponse("", status_code=499)
+        work.result()  # an engine error as its APIError
+        text = "".join(u.text for u in got)
+        tokens = sum(len(u.token_ids) for u in got)
+        want_logprobs = params.logprobs is not None
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": server.chat_logprobs(got) if want_logprobs else None, "finish_reason": got[-1].finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": server.completion_logprobs(got, 0) if want_logprobs else None,
+                      "finish_reason": got[-1].finish_reason}
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": model_name, "choices": [choice], "usage": usage(len(ids), tokens)}
+
+    async def stream(request: Request, rid: str, created: int, chat: bool, include_usage: bool,
+                     prompt_tokens: int) -> AsyncIterator[str]:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        want_logprobs = request.params.logprobs is not None
+
+        def event(choices: list[dict], **extra) -> str:
+            payload = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": choices, **extra}
+            if include_usage and "usage" not in extra:
+                payload["usage"] = None
+            return f"data: {json.dumps(payload)}\n\n"
+
+        finished, tokens, offset = False, 0, 0
+        try:
+            if chat:
+                yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+            async for update in updates(request):
+                finished = update.finish_reason is not None
+                tokens += len(update.token_ids)
+                logprobs = None
+                if want_logprobs and update.token_ids:
+                    logprobs = server.chat_logprobs([update]) if chat else server.completion_logprobs([update], offset)
+                offset += len(update.text)
+                if update.text or update.token_ids or finished:
+                    piece = {"content": update.text} if update.text or not finished else {}
+                    choice = {"delta": piece} if chat else {"text": update.text}
+                    yield event([{"index": 0, **choice, "logprobs": logprobs, "finish_reason": update.finish_reason}])
+            if include_usage:
+                yield event([], usage=usage(prompt_tokens, tokens))
+        except APIError as error:
+            finished = True
+            yield f"data: {json.dumps(error.body())}\n\n"
+        finally:
+            if not finished:  # the client left mid-stream: its request ends now, its blocks are freed
+                engine.abort(request)
+        yield "data: [DONE]\n\n"
+
+    app.include_router(v1)
+    return app

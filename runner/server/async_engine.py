@@ -1,0 +1,160 @@
+"""The engine on a thread of its own, for a server's event loop.
+
+The event loop never runs the model. It hands requests and aborts to the engine thread through an
+inbox; the thread takes them between steps, runs a step, and posts each request's new tokens and
+text to that request's asyncio queue. A client that leaves is aborted before the next step, so its
+blocks are free at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from quant.types import InputError
+from runner.engine.llm import LLM
+from runner.engine.sampling import SamplingParams
+from runner.engine.sequence import Metrics, Sequence
+from runner.server.metrics import ServerMetrics
+
+
+class Overloaded(Exception):
+    """The waiting queue is full: the request is refused (HTTP 429)."""
+
+
+@dataclass
+class Update:
+    """A request's progress since its last update."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+    finish_reason: str | None = None
+    error: tuple[int, str] | None = None  # HTTP status and message: the engine could not run it
+    metrics: Metrics | None = None  # with the last update
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    updates: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.perf_counter)
+    seq: Sequence | None = None
+    sent_text: int = 0
+    sent_tokens: int = 0
+
+    def post(self, update: Update) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.updates.put_nowait, update)
+        except RuntimeError:  # the event loop is gone (the server is shutting down)
+            pass
+
+
+class AsyncEngine:
+    def __init__(self, llm: LLM, max_waiting: int):
+        self.llm, self.engine, self.max_waiting = llm, llm.engine, max_waiting
+        self.metrics = ServerMetrics()
+        self._inbox: queue.SimpleQueue[tuple[str, Request]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._closing = False
+        self._active: dict[int, Request] = {}  # by sequence id; the engine thread's alone
+        self._thread = threading.Thread(target=self._run, name="quantbench-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread; every request still open is ended and its blocks freed."""
+        self._closing = True
+        self._wake.set()
+        self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a request (from the event loop); ``Overloaded`` when ``max_waiting`` requests wait
+        already beyond those the running batch has room for."""
+        scheduler = self.engine.scheduler
+        room = max(0, scheduler.max_num_seqs - len(scheduler.running))
+        if len(scheduler.waiting) + self._inbox.qsize() - room >= self.max_waiting:
+            self.metrics.reject()
+            raise Overloaded(f"the server has {self.max_waiting} requests waiting already: try again later")
+        request = Request(prompt_ids, params, asyncio.get_running_loop())
+        self._inbox.put(("add", request))
+        self._wake.set()
+        return request
+
+    def abort(self, request: Request) -> None:
+        self._inbox.put(("abort", request))
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._take_inbox()
+            if self._closing:
+                break
+            if not self.engine.unfinished:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                self.llm.step()
+            except Exception as error:  # a bug, not a request's fault: end what runs, keep serving
+                traceback.print_exc(file=sys.stderr)
+                for request in list(self._active.values()):
+                    self._end(request, "abort", (500, f"the engine failed: {type(error).__name__}: {error}"))
+                continue
+            self._publish()
+        for request in list(self._active.values()):
+            self._end(request, "abort", (503, "the server is shutting down"))
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                kind, request = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    request.seq = self.llm.engine.add(request.prompt_ids, request.params)
+                except InputError as error:
+                    request.post(Update("", [], [], [], "abort", (400, str(error))))
+                    continue
+                request.seq.arrival = request.arrival
+                self._active[request.seq.id] = request
+            elif request.seq is not None and request.seq.id in self._active:
+                self._end(request, "abort")
+
+    def _end(self, request: Request, reason: str, error: tuple[int, str] | None = None) -> None:
+        self.engine.finish(request.seq, reason)
+        self._publish_one(request, error)
+
+    def _publish(self) -> None:
+        for request in list(self._active.values()):
+            self._publish_one(request)
+
+    def _publish_one(self, request: Request, error: tuple[int, str] | None = None) -> None:
+        seq = request.seq
+        done = seq.finish_reason is not None
+        text = self.llm.visible_text(seq) if not error else ""
+        tokens = seq.output_ids[request.sent_tokens:]
+        if not done and not tokens and len(text) == request.sent_text:
+            return
+        update = Update(text[request.sent_text:], tokens, seq.logprobs[request.sent_tokens:],
+                        seq.top_logprobs[request.sent_tokens:], seq.finish_reason if done else None, error)
+        request.sent_text, request.sent_tokens = max(request.sent_text, len(text)), len(seq.output_ids)
+        if done:
+            update.metrics = seq.metrics
+            del self._active[seq.id]
+            self.metrics.observe(seq.metrics, seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids))
+        request.post(update)

@@ -1,0 +1,111 @@
+"""The OpenAI API's request bodies as the server accepts them, and its error shape.
+
+Fields a client may send that change nothing here (``user``, ``frequency_penalty: 0``) are
+ignored; fields that would change the output in a way the engine cannot honour (``n: 2``, a
+penalty, ``echo``) are refused by name, not silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+
+
+class APIError(Exception):
+    """An error the client gets in OpenAI's shape: ``{"error": {message, type, param, code}}``."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: StrictInt = Field(-1, ge=-1)  # vLLM's extension
+    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] = Field(default_factory=list)  # vLLM's extension
+    ignore_eos: bool = False  # vLLM's extension
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+    frequency_penalty: Literal[0, 0.0] = 0
+    presence_penalty: Literal[0, 0.0] = 0
+
+    @model_validator(mode="after")
+    def _stops(self):
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop strings")
+        return self
+
+
+class CompletionRequest(_Common):
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(16, ge=1)
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    echo: Literal[False] = False
+    best_of: Literal[1, None] = None
+    suffix: None = None
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt (a batch of several is refused: one request, one prompt)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return p
+        if len(p) != 1:
+            raise APIError(400, f"prompt: a list of {len(p)} prompts; send one prompt per request", "prompt")
+        return p[0]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+
+
+Body = Union[CompletionRequest, ChatCompletionRequest]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

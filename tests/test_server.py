@@ -1,0 +1,317 @@
+"""`quantize serve` driven by the real `openai` client over HTTP on 127.0.0.1 (completions and chat,
+streamed and not), and by raw HTTP for what a client library would never send: malformed bodies,
+wrong keys, clients that leave mid-request. What the server says must equal what the engine
+computes offline; after every test no block is held, and after the server stops no thread is left."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import TINY
+from runner import LLM, SamplingParams
+
+KEY = "test-key"
+NAME = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    """A server on a thread of this process, so the test can look at its engine."""
+
+    def __init__(self, max_num_seqs: int = 4, max_waiting: int = 64, max_model_len: int = 256, **engine):
+        import uvicorn
+
+        from runner.server.app import create_app
+        from runner.server.async_engine import AsyncEngine
+
+        self.llm = LLM(TINY, dtype="fp32", kv_memory=32 * 2**20, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                       **engine)
+        self.engine = AsyncEngine(self.llm, max_waiting)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.engine, NAME, KEY), host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+
+    def client(self, api_key: str = KEY):
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0)
+
+    def idle(self, timeout: float = 10) -> bool:
+        """Whether every request has ended and every block is free (waiting up to ``timeout``)."""
+        deadline = time.time() + timeout
+        blocks, scheduler = self.llm.engine.blocks, self.llm.engine.scheduler
+        while not (blocks.num_free == blocks.num_blocks and not scheduler.running and not scheduler.waiting):
+            if time.time() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server():
+    before = set(threading.enumerate())
+    running = Running()
+    yield running
+    running.stop()
+    assert not running.thread.is_alive() and not running.engine.alive
+    assert running.idle(0)
+    time.sleep(0.1)
+    assert {t for t in threading.enumerate() if t.is_alive()} - before == set()  # no thread left behind
+
+
+@pytest.fixture(autouse=True)
+def nothing_held_after(request):
+    yield
+    if "server" in request.fixturenames:
+        assert request.getfixturevalue("server").idle(), "a request or a block was left held"
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """The same model run offline by the engine, for what the server must say."""
+    return LLM(TINY, dtype="fp32", kv_memory=32 * 2**20, max_model_len=256)
+
+
+PROMPT = "It was a bright cold day in April, and the clocks"
+
+
+def plain_chat(messages: list[dict]) -> str:
+    return "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages) + "Assistant:"
+
+
+def test_models_lists_the_served_model(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [NAME]
+
+
+def test_a_completion_is_what_the_engine_computes(server, offline):
+    reply = server.client().completions.create(model=NAME, prompt=PROMPT, max_tokens=24, temperature=0)
+    expected = offline.generate(PROMPT, SamplingParams(max_tokens=24, temperature=0))[0]
+    choice = reply.choices[0]
+    assert choice.text == expected.text and choice.finish_reason == expected.finish_reason
+    assert reply.usage.completion_tokens == len(expected.token_ids)
+    assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert reply.object == "text_completion" and reply.id.startswith("cmpl-")
+
+
+def test_a_streamed_completion_adds_up_to_the_same_text(server, offline):
+    chunks = list(server.client().completions.create(model=NAME, prompt=PROMPT, max_tokens=40, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+    expected = offline.generate(PROMPT, SamplingParams(max_tokens=40, temperature=0))[0]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert len([c for c in chunks if c.choices]) > 3  # streamed, not sent whole at the end
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_applies_the_template_streamed_or_not(server, offline):
+    messages = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "Tell me of the sea."}]
+    client = server.client()
+    reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=30, temperature=0)
+    expected = offline.generate(plain_chat(messages), SamplingParams(max_tokens=30, temperature=0))[0]
+    assert reply.choices[0].message.content == expected.text and reply.choices[0].message.role == "assistant"
+    assert reply.usage.prompt_tokens == len(expected.prompt_token_ids) and reply.object == "chat.completion"
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=30, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+
+
+def test_sampling_by_seed_stop_strings_and_logprobs(server, offline):
+    client = server.client()
+    sampled = [client.completions.create(model=NAME, prompt=PROMPT, max_tokens=20, temperature=1.0, top_p=0.9, seed=7).choices[0].text
+               for _ in range(2)]
+    expected = offline.generate(PROMPT, SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=7))[0].text
+    assert sampled == [expected, expected]
+    greedy = offline.generate(PROMPT, SamplingParams(max_tokens=40, temperature=0))[0].text
+    stop = greedy[10:14]
+    cut = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop])
+    assert cut.choices[0].text == greedy[: greedy.index(stop)] and cut.choices[0].finish_reason == "stop"
+    scored = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3)
+    reference = offline.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0, logprobs=3))[0]
+    lp = scored.choices[0].logprobs
+    assert "".join(lp.tokens) == scored.choices[0].text
+    assert lp.token_logprobs == pytest.approx(reference.logprobs, abs=1e-4)
+    assert all(len(top) == 3 and max(top.values()) == pytest.approx(chosen, abs=1e-4)  # greedy: the likeliest
+               for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+
+
+def post(server, path: str, body, key: str | None = KEY, timeout: float = 30) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(f"{server.url}{path}", content=content, headers={**headers, "Content-Type": "application/json"},
+                      timeout=timeout)
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    (b"{not json", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    ({"model": NAME}, 400, "prompt"),
+    ({"model": NAME, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": NAME, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": NAME, "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": NAME, "prompt": [1, 99999]}, 400, "vocabulary"),
+    ({"model": NAME, "prompt": ["a", "b"]}, 400, "one prompt per request"),
+    ({"model": NAME, "prompt": "x", "stop": [""]}, 400, "stop"),
+    ({"model": "gpt-5", "prompt": "x"}, 404, "gpt-5"),
+    ({"model": NAME, "prompt": "word " * 400}, 413, "context"),
+    ({"model": NAME, "prompt": "x", "max_tokens": 10_000}, 400, "max_tokens"),
+])
+def test_bad_requests_get_openai_shaped_errors(server, body, status, fragment):
+    reply = post(server, "/v1/completions", body)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and fragment in error["message"]
+    assert "Traceback" not in reply.text
+
+
+def test_chat_errors_name_the_field(server):
+    reply = post(server, "/v1/chat/completions", {"model": NAME, "messages": [{"role": "wizard", "content": "x"}]})
+    assert reply.status_code == 400 and "messages" in reply.json()["error"]["param"]
+    reply = post(server, "/v1/chat/completions", {"model": NAME, "messages": []})
+    assert reply.status_code == 400
+
+
+def test_a_wrong_or_missing_key_gets_401_and_health_and_metrics_stay_open(server):
+    import openai
+
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="nope").models.list()
+    for key in (None, "nope"):
+        reply = post(server, "/v1/completions", {"model": NAME, "prompt": "x"}, key=key)
+        assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/nowhere").json()["error"]["type"] == "not_found_error"
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_blocks_at_once(server):
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=30) as reply:
+        lines = reply.iter_lines()
+        seen = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
+        assert seen and server.llm.engine.scheduler.running  # it is being generated
+    assert server.idle(5)
+
+
+def test_a_client_that_leaves_before_a_whole_reply_frees_its_blocks(server):
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, "/v1/completions", body, timeout=0.3)
+    assert server.idle(5)
+    assert 'finish_reason="abort"' in httpx.get(f"{server.url}/metrics").text
+
+
+def test_metrics_count_what_was_served(server):
+    server.client().completions.create(model=NAME, prompt=PROMPT, max_tokens=5, temperature=0)
+    text = httpx.get(f"{server.url}/metrics").text
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert float(samples["quantbench_time_to_first_token_seconds_count"]) >= 1
+    assert float(samples['quantbench_time_to_first_token_seconds_bucket{le="+Inf"}']) == \
+        float(samples["quantbench_time_to_first_token_seconds_count"])
+    assert float(samples["quantbench_kv_blocks_used"]) == 0
+    assert float(samples["quantbench_kv_blocks_free"]) == server.llm.engine.blocks.num_blocks
+    assert float(samples["quantbench_prefix_cache_hit_tokens_total"]) > 0  # PROMPT was sent before
+    for name in ("num_requests_running", "num_requests_waiting", "preemptions_total", "prefix_cache_hit_rate"):
+        assert f"quantbench_{name}" in samples
+
+
+def test_a_full_queue_gets_429_and_every_other_request_completes():
+    """More clients at once than the server runs and queues: the rest are refused, none hangs."""
+    import asyncio
+
+    running = Running(max_num_seqs=2, max_waiting=3)
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    async def one(client: httpx.AsyncClient) -> str:
+        async with client.stream("POST", "/v1/completions", json=body) as reply:
+            if reply.status_code != 200:
+                await reply.aread()
+                return str(reply.status_code) if reply.json()["error"]["code"] == "rate_limit_exceeded" else reply.text
+            lines = [line async for line in reply.aiter_lines() if line.startswith("data: ")]
+            return "done" if lines[-1] == "data: [DONE]" and '"finish_reason": "length"' in lines[-2] else "broken"
+
+    async def crowd() -> list[str]:
+        async with httpx.AsyncClient(base_url=running.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as client:
+            return await asyncio.gather(*(one(client) for _ in range(16)))
+
+    try:
+        outcomes = asyncio.run(crowd())
+        assert set(outcomes) == {"done", "429"} and outcomes.count("done") >= 5, outcomes
+        assert running.idle(5)
+        assert httpx.get(f"{running.url}/health").status_code == 200
+    finally:
+        running.stop()
+
+
+def test_quantize_serve_starts_answers_and_stops_on_ctrl_c(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    quantize = [sys.executable, "-c", "from recipes.cli import main; main()"]
+    proc = subprocess.Popen([*quantize, "serve", str(TINY), "--port", str(port), "--max-num-seqs", "2", "--kv-memory", "16MiB",
+                             "--served-model-name", "mine"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        assert client.completions.create(model="mine", prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
+        busy = subprocess.run([*quantize, "serve", str(TINY), "--port", str(port)], capture_output=True, text=True)
+        assert busy.returncode == 2 and busy.stderr.count("\n") == 1 and f"--port {port}" in busy.stderr, busy.stderr
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and f"serving mine on http://127.0.0.1:{port}/v1" in err
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["serve", "/no/such/model"], "/no/such/model"),
+    (["serve", str(TINY), "--port", "0"], "--port 0"),
+    (["serve", str(TINY), "--max-waiting", "0"], "--max-waiting 0"),
+    (["serve", str(TINY), "--chat-template", "/no/such.jinja", "--port", "1"], "/no/such.jinja"),
+])
+def test_quantize_serve_refuses_bad_options_in_one_line(monkeypatch, capsys, args, fragment):
+    from test_cli import assert_user_error, quantize
+
+    assert_user_error(quantize(monkeypatch, capsys, *args), fragment)
