@@ -157,18 +157,21 @@ _SEQS = typer.Option(256, "--max-num-seqs", help="Most sequences running at once
 _TOKENS = typer.Option(2048, "--max-num-batched-tokens", help="Most tokens in one step (decode tokens and prompt chunks).")
 _KV_MEMORY = typer.Option(None, "--kv-memory", help="KV pool: bytes (e.g. 2GiB, 512MiB) or a share of free memory (e.g. 0.3); default 0.5.")
 _MAX_LEN = typer.Option(None, "--max-model-len", help="Longest sequence, prompt and output (default: the model's context).")
+_SPEC = typer.Option(None, "--speculative", help="Guess tokens and verify them in one step: ngram (prompt lookup), or "
+                     "draft=DIR (a smaller model with the same tokenizer); ',k=N' guesses per step (default 4).")
 _PREFIX = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching",
                        help="Share the KV blocks of prompts' common starts between requests.")
 
 
 def _llm(model: Path, dtype: str, kv_cache_dtype: str, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-         kv_memory: Optional[str], max_model_len: Optional[int], enable_prefix_caching: bool):
+         kv_memory: Optional[str], max_model_len: Optional[int], enable_prefix_caching: bool,
+         speculative: Optional[str] = None):
     from runner.engine.engine import parse_memory
     from runner.engine.llm import LLM
 
     return LLM(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens,
                parse_memory(kv_memory) if kv_memory is not None else None, max_model_len,
-               enable_prefix_caching=enable_prefix_caching)
+               enable_prefix_caching=enable_prefix_caching, speculative=speculative)
 
 
 @app.command()
@@ -182,14 +185,14 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Makes sampling reproducible."),
     dtype: str = _DTYPE, kv_cache_dtype: str = _KV_DTYPE, block_size: int = _BLOCK, max_num_seqs: int = _SEQS,
     max_num_batched_tokens: int = _TOKENS, kv_memory: Optional[str] = _KV_MEMORY, max_model_len: Optional[int] = _MAX_LEN,
-    enable_prefix_caching: bool = _PREFIX,
+    enable_prefix_caching: bool = _PREFIX, speculative: Optional[str] = _SPEC,
 ) -> None:
     """Continue a prompt with the engine, streaming the text to the terminal."""
     from runner.engine.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     llm = _llm(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, kv_memory, max_model_len,
-               enable_prefix_caching)
+               enable_prefix_caching, speculative)
     sys.stdout.write(prompt)
     for piece in llm.stream(prompt, params):
         sys.stdout.write(piece)
@@ -208,7 +211,7 @@ def bench(
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout (fields in docs/runner.md)."),
     dtype: str = _DTYPE, kv_cache_dtype: str = _KV_DTYPE, block_size: int = _BLOCK, max_num_seqs: int = _SEQS,
     max_num_batched_tokens: int = _TOKENS, kv_memory: Optional[str] = _KV_MEMORY, max_model_len: Optional[int] = _MAX_LEN,
-    enable_prefix_caching: bool = _PREFIX,
+    enable_prefix_caching: bool = _PREFIX, speculative: Optional[str] = _SPEC,
 ) -> None:
     """Measure the engine on a fixed workload: TTFT, TPOT, inter-token latency, tokens/s, KV blocks, memory."""
     import json
@@ -217,11 +220,20 @@ def bench(
     from runner.bench import Workload, run_bench
 
     workload = Workload(requests, concurrency, _lengths(prompt_tokens, "--prompt-tokens"), _lengths(output_tokens, "--output-tokens"))
-    llm = _llm(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, kv_memory, max_model_len,
-               enable_prefix_caching)
+    text = text or Path(__file__).parent / "bundled" / "eval.txt"
+    runs = [None, speculative] if speculative else [None]  # with --speculative, plain decoding first: the baseline
+    results = []
     with progress_bar(console) as progress:
-        task = progress.add_task("requests", total=workload.requests)
-        result = run_bench(llm, text or Path(__file__).parent / "bundled" / "eval.txt", workload, lambda: progress.advance(task))
+        for spec in runs:
+            llm = _llm(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, kv_memory,
+                       max_model_len, enable_prefix_caching, spec)
+            task = progress.add_task("requests" + (f" ({spec})" if spec else ""), total=workload.requests)
+            results.append(run_bench(llm, text, workload, lambda: progress.advance(task)))
+            del llm
+    result = results[-1]
+    if speculative:
+        result.speculative |= {"plain_output_tokens_per_s": results[0].output_tokens_per_s,
+                               "speedup": result.output_tokens_per_s / results[0].output_tokens_per_s}
     if as_json:
         print(json.dumps(result.as_dict(), indent=2))
         return
@@ -232,6 +244,10 @@ def bench(
     stdout.print(f"{result.output_tokens:,} output tokens in {result.seconds:.2f} s: {result.output_tokens_per_s:,.1f} tokens/s, "
                  f"{result.requests_per_s:.2f} requests/s; KV blocks at peak {result.kv_blocks_peak:,} of "
                  f"{result.kv_blocks_total:,}; {result.preemptions} preemptions; peak RSS {result.peak_rss_mib:,.0f} MiB")
+    if result.speculative:
+        s = result.speculative
+        stdout.print(f"speculative {escape(s['method'])}, {s['guesses_per_step']} guesses a step: {s['acceptance_rate']:.1%} "
+                     f"accepted; {s['speedup']:.2f}x plain decoding's {s['plain_output_tokens_per_s']:,.1f} tokens/s")
 
 
 @app.command()
@@ -245,7 +261,7 @@ def serve(
     chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="A Jinja chat template file (default: the tokenizer's, else plain 'Role: text')."),
     dtype: str = _DTYPE, kv_cache_dtype: str = _KV_DTYPE, block_size: int = _BLOCK, max_num_seqs: int = _SEQS,
     max_num_batched_tokens: int = _TOKENS, kv_memory: Optional[str] = _KV_MEMORY, max_model_len: Optional[int] = _MAX_LEN,
-    enable_prefix_caching: bool = _PREFIX,
+    enable_prefix_caching: bool = _PREFIX, speculative: Optional[str] = _SPEC,
 ) -> None:
     """Serve a model with the engine behind an OpenAI-compatible API (completions, chat, streaming, /metrics)."""
     from runner.server.serve import check_options
@@ -253,7 +269,7 @@ def serve(
 
     check_options(host, port, max_waiting)
     llm = _llm(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, kv_memory, max_model_len,
-               enable_prefix_caching)
+               enable_prefix_caching, speculative)
     run_server(llm, host, port, served_model_name or model.resolve().name, api_key, max_waiting, chat_template,
                lambda line: console.print(escape(line), highlight=False))
 

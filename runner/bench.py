@@ -71,6 +71,9 @@ class BenchResult:
     kv_blocks_total: int
     preemptions: int
     peak_rss_mib: float
+    # with --speculative: method, guesses_per_step, acceptance_rate (guesses kept / made), and
+    # plain_output_tokens_per_s and speedup from the same workload run without it
+    speculative: dict | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -98,7 +101,7 @@ def run_bench(llm: LLM, text: Path, workload: Workload, on_request: Callable[[],
     done: list[Sequence] = []
     engine = llm.engine
     engine.peak_blocks = 0
-    preempted = engine.scheduler.preemptions
+    preempted, proposed, accepted = engine.scheduler.preemptions, engine.spec_proposed, engine.spec_accepted
     start = time.perf_counter()
     while pending or in_flight:
         while pending and len(in_flight) < workload.concurrency:
@@ -109,6 +112,8 @@ def run_bench(llm: LLM, text: Path, workload: Workload, on_request: Callable[[],
             on_request()
     seconds = time.perf_counter() - start
     tokens = sum(len(s.output_ids) for s in done)
+    spec = engine.config.speculative
+    guessed = engine.spec_proposed - proposed
     return BenchResult(
         model=str(engine.ckpt.path), requests=len(done), concurrency=workload.concurrency, seconds=seconds,
         output_tokens=tokens, output_tokens_per_s=tokens / seconds, requests_per_s=len(done) / seconds,
@@ -118,6 +123,10 @@ def run_bench(llm: LLM, text: Path, workload: Workload, on_request: Callable[[],
         kv_blocks_peak=engine.peak_blocks, kv_blocks_total=engine.blocks.num_blocks,
         preemptions=engine.scheduler.preemptions - preempted,
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        speculative=None if spec is None else {
+            "method": spec.method if spec.method == "ngram" else f"draft={spec.draft_model}",
+            "guesses_per_step": spec.num_tokens,
+            "acceptance_rate": (engine.spec_accepted - accepted) / guessed if guessed else 0.0},
     )
 
 

@@ -240,7 +240,8 @@ def test_metrics_count_what_was_served(server):
     assert float(samples["quantbench_kv_blocks_used"]) == 0
     assert float(samples["quantbench_kv_blocks_free"]) == server.llm.engine.blocks.num_blocks
     assert float(samples["quantbench_prefix_cache_hit_tokens_total"]) > 0  # PROMPT was sent before
-    for name in ("num_requests_running", "num_requests_waiting", "preemptions_total", "prefix_cache_hit_rate"):
+    for name in ("num_requests_running", "num_requests_waiting", "preemptions_total", "prefix_cache_hit_rate",
+                 "speculative_acceptance_rate"):
         assert f"quantbench_{name}" in samples
 
 

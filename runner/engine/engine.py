@@ -18,10 +18,12 @@ from formats.quantized_checkpoint import QuantizedCheckpoint
 from quant.types import InputError
 from runner.engine.block_manager import BlockManager
 from runner.engine.kv_cache import BITS, FLOAT_CACHES, KVPool, bytes_per_token
-from runner.engine.model import DecodeBatch, DecoderModel, PrefillBatch, Step
+from runner.engine.batch import layout
+from runner.engine.model import DecoderModel
 from runner.engine.sampling import SamplingParams, sample
 from runner.engine.scheduler import Scheduler
 from runner.engine.sequence import Sequence, Status
+from runner.engine.speculative import DraftProposer, NgramProposer, SpeculativeConfig, verify
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}  # the options' names and config.json's
@@ -34,7 +36,8 @@ class EngineConfig:
 
     ``kv_memory``: bytes for the KV pool, or a share (0 to 1] of the memory available now (after the
     weights are loaded); ``max_model_len``: the longest sequence, prompt and output (default: the
-    model's context); ``enable_prefix_caching``: share the KV blocks of prompts' common starts."""
+    model's context); ``enable_prefix_caching``: share the KV blocks of prompts' common starts;
+    ``speculative``: guess tokens with a draft model or prompt lookup, verified in one step."""
 
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -45,6 +48,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     enable_prefix_caching: bool = True
+    speculative: SpeculativeConfig | None = None
 
 
 class Engine:
@@ -83,6 +87,11 @@ class Engine:
         self._next_id = 0
         self._seeds = torch.Generator().manual_seed(config.seed)
         self.peak_blocks = 0
+        self.spec_proposed = self.spec_accepted = 0
+        spec = config.speculative
+        self.proposer = None if spec is None else NgramProposer(spec) if spec.method == "ngram" else \
+            DraftProposer(spec, arch, dtype, self.device, num_blocks * config.block_size
+                          + config.max_num_seqs * (spec.num_tokens + config.block_size), config.block_size, open_model)
 
     def _dtype(self, name: str, option: str) -> torch.dtype:
         if name == "auto":  # the checkpoint's; bf16 for fp16 on a CPU, which computes fp16 slowly
@@ -112,8 +121,7 @@ class Engine:
     def finish(self, seq: Sequence, reason: str = "abort") -> None:
         """End a request now (a stop string found, or a client that left): its blocks are freed at once."""
         if seq.status is not Status.FINISHED:
-            self.scheduler.finish(seq, reason)
-            seq.finished = time.perf_counter()
+            self._retire(seq, reason, time.perf_counter())
 
     @property
     def unfinished(self) -> bool:
@@ -128,30 +136,80 @@ class Engine:
         now = time.perf_counter()
         for seq, _ in scheduled:
             seq.first_scheduled = seq.first_scheduled or now
-        step, sampled = self._layout(scheduled)
+        step, sampled = layout(scheduled, self.config.block_size, self.device)
         logits = self.model.forward(step, self.pool)
         for seq, n in scheduled:
-            seq.num_computed += n
-            self.blocks.cache_full_blocks(seq)
-        if not sampled:
-            return []
-        tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled]).tolist()
-        logprobs, top = _logprobs(logits, tokens, [s.params.logprobs for s in sampled])
+            seq.num_computed += n - len(seq.draft_ids)  # guesses' keys count once accepted (below)
+        new_tokens = self._choose(logits, sampled)
         finished = []
         now = time.perf_counter()
-        for seq, token, logprob, alternatives in zip(sampled, tokens, logprobs, top):
-            seq.output_ids.append(token)
-            if seq.params.logprobs is not None:
-                seq.logprobs.append(logprob)
-            if seq.params.logprobs:
-                seq.top_logprobs.append(alternatives)
-            seq.token_times.append(now)
-            reason = self._finish_reason(seq, token)
-            if reason:
-                self.scheduler.finish(seq, reason)
-                seq.finished = now
-                finished.append(seq)
+        for seq, (tokens, logprobs, top) in zip(sampled, new_tokens):
+            for token, logprob, alternatives in zip(tokens, logprobs, top):
+                seq.output_ids.append(token)
+                if seq.params.logprobs is not None:
+                    seq.logprobs.append(logprob)
+                if seq.params.logprobs:
+                    seq.top_logprobs.append(alternatives)
+                seq.token_times.append(now)
+                reason = self._finish_reason(seq, token)
+                if reason:
+                    self._retire(seq, reason, now)
+                    finished.append(seq)
+                    break
+        for seq, _ in scheduled:
+            if seq.status is not Status.FINISHED:
+                self.blocks.cache_full_blocks(seq)
+        if self.proposer is not None:
+            self._propose()
         return finished
+
+    def _choose(self, logits: torch.Tensor, sampled: list[Sequence]) -> list[tuple[list[int], list, list]]:
+        """Per sampled sequence, its new tokens with their logprobs and likeliest alternatives: one
+        token, or the guesses it verified that the target accepts and one of the target's own."""
+        rows, first = [], 0
+        for seq in sampled:
+            rows.append(first)
+            first += 1 + len(seq.draft_ids)
+        plain = [i for i, s in enumerate(sampled) if not s.draft_ids]
+        chosen: list[list[int]] = [[] for _ in sampled]
+        if plain:
+            drawn = sample(logits[[rows[i] for i in plain]], [sampled[i].params for i in plain],
+                           [sampled[i].generator for i in plain]).tolist()
+            for i, token in zip(plain, drawn):
+                chosen[i] = [token]
+        for i, seq in enumerate(sampled):
+            if seq.draft_ids:
+                guesses = seq.draft_ids
+                chosen[i], accepted = verify(logits[rows[i] : rows[i] + 1 + len(guesses)], seq, guesses, seq.draft_q)
+                seq.num_computed += accepted
+                self.spec_proposed += len(guesses)
+                self.spec_accepted += accepted
+                seq.draft_ids, seq.draft_q = [], None
+        token_rows = [rows[i] + j for i, tokens in enumerate(chosen) for j in range(len(tokens))]
+        flat = [t for tokens in chosen for t in tokens]
+        asked = [seq.params.logprobs for seq, tokens in zip(sampled, chosen) for _ in tokens]
+        logprobs, top = _logprobs(logits[token_rows], flat, asked)
+        out, at = [], 0
+        for tokens in chosen:
+            out.append((tokens, logprobs[at : at + len(tokens)], top[at : at + len(tokens)]))
+            at += len(tokens)
+        return out
+
+    def _propose(self) -> None:
+        """Guesses for every running sequence that decodes next step, as many as it may still use."""
+        ready = [s for s in self.scheduler.running if s.num_computed == s.num_tokens - 1]
+        k = self.config.speculative.num_tokens
+        limits = [max(0, min(k, s.params.max_tokens - len(s.output_ids) - 1, self.max_model_len - s.num_tokens - 1))
+                  for s in ready]
+        guesses, dists = self.proposer.propose(ready, limits)
+        for seq, g, q in zip(ready, guesses, dists):
+            seq.draft_ids, seq.draft_q = g, q
+
+    def _retire(self, seq: Sequence, reason: str, now: float) -> None:
+        self.scheduler.finish(seq, reason)
+        seq.finished = now
+        if self.proposer is not None:
+            self.proposer.release(seq)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -160,35 +218,6 @@ class Engine:
         if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
-
-    def _layout(self, scheduled: list[tuple[Sequence, int]]) -> tuple[Step, list[Sequence]]:
-        """The step's flat batch: tokens, positions and cache slots of every scheduled token, the
-        decode and prefill attention batches, and which rows are sampled (a sequence's last token
-        once every token it has is computed)."""
-        bs, dev = self.config.block_size, self.device
-        tokens, positions, owners, tables = [], [], [], []
-        sample_rows, sampled = [], []
-        decode, prefill = [], []
-        for i, (seq, n) in enumerate(scheduled):
-            start = len(tokens)
-            tokens += seq.tokens(seq.num_computed, seq.num_computed + n)
-            positions += range(seq.num_computed, seq.num_computed + n)
-            owners += [i] * n
-            tables.append(seq.block_table)
-            (decode if n == 1 else prefill).append((i, start, seq.num_computed + n))
-            if seq.num_computed + n == seq.num_tokens:
-                sample_rows.append(len(tokens) - 1)
-                sampled.append(seq)
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        owner = torch.tensor(owners, dtype=torch.long, device=dev)
-        slots = table[owner, pos // bs] * bs + pos % bs
-        step = Step(torch.tensor(tokens, dtype=torch.long, device=dev), pos, slots,
-                    _decode_batch(decode, table, bs, dev), _prefill_batch(prefill, scheduled, table, bs, dev),
-                    torch.tensor(sample_rows, dtype=torch.long, device=dev))
-        return step, sampled
-
 
 EXPORTS = ("compressed-tensors", "gptq", "safetensors")  # what a recipe's variant folder holds, in the order taken
 
@@ -207,40 +236,6 @@ def open_model(path: Path) -> HFCheckpoint | QuantizedCheckpoint:
         if isinstance(config, dict) and config.get("quantization_config") is not None:
             return QuantizedCheckpoint.open(path)
     return HFCheckpoint.open(path)
-
-
-def _decode_batch(decode: list[tuple[int, int, int]], table: torch.Tensor, bs: int, dev) -> DecodeBatch | None:
-    """The blocks every decoding sequence reads: all of its table up to its length."""
-    if not decode:
-        return None
-    seq_index = torch.tensor([d[0] for d in decode], dtype=torch.long, device=dev)
-    length = torch.tensor([d[2] for d in decode], dtype=torch.long, device=dev)
-    counts = -(-length // bs)
-    owner = torch.repeat_interleave(torch.arange(len(decode), device=dev), counts)
-    within = torch.arange(owner.numel(), device=dev) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-    return DecodeBatch(rows=torch.tensor([d[1] for d in decode], dtype=torch.long, device=dev),
-                       ids=table[seq_index[owner], within], owner=owner, first=within * bs, length=length)
-
-
-def _prefill_batch(prefill: list[tuple[int, int, int]], scheduled, table: torch.Tensor, bs: int, dev) -> PrefillBatch | None:
-    """The chunks, one row each, padded to the longest chunk and the longest key list."""
-    if not prefill:
-        return None
-    chunks = [scheduled[i][1] for i, _, _ in prefill]
-    width, keys = max(chunks), max(end for _, _, end in prefill)
-    offsets = torch.arange(width)
-    start = torch.tensor([s for _, s, _ in prefill])[:, None]
-    n = torch.tensor(chunks)[:, None]
-    end = torch.tensor([e for _, _, e in prefill])[:, None]
-    valid = offsets[None, :] < n
-    query_pos = end - n + offsets[None, :]
-    key_pos = torch.arange(keys)[None, :].expand(len(prefill), keys)
-    owners = torch.tensor([i for i, _, _ in prefill], device=dev)
-    rows = torch.where(valid, start + offsets, 0).to(dev)
-    key_slots = table[owners[:, None], (key_pos // bs).to(dev)] * bs + (key_pos % bs).to(dev)
-    key_slots = torch.where((key_pos < end).to(dev), key_slots, 0)
-    return PrefillBatch(rows=rows, key_slots=key_slots, query_pos=query_pos.to(dev), key_pos=key_pos.to(dev),
-                        valid=valid.to(dev))
 
 
 def _logprobs(logits: torch.Tensor, tokens: list[int], asked: list[int | None]) -> tuple[list, list]:

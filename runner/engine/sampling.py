@@ -51,20 +51,26 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled request draws from: ``logits`` [..., vocab] (float32) at its
+    temperature, cut to its top-k and top-p."""
+    scores = logits / p.temperature
+    if 0 < p.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, p.top_k, -1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, -1)
+    if p.top_p < 1:
+        ordered, order = probs.sort(-1, descending=True)
+        outside = ordered.cumsum(-1) - ordered > p.top_p  # the smallest prefix whose mass reaches top_p stays
+        probs = probs.scatter(-1, order, ordered.masked_fill(outside, 0.0))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row of ``logits`` [rows, vocab] (float32), as each row's params say."""
     tokens = logits.argmax(-1)
     for row, (p, gen) in enumerate(zip(params, generators)):
-        if p.greedy:
-            continue
-        scores = logits[row] / p.temperature
-        if 0 < p.top_k < scores.numel():
-            kth = torch.topk(scores, p.top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        probs = torch.softmax(scores, -1)
-        if p.top_p < 1:
-            ordered, order = probs.sort(descending=True)
-            outside = ordered.cumsum(0) - ordered > p.top_p  # the smallest prefix whose mass reaches top_p stays
-            probs = probs.scatter(0, order, ordered.masked_fill(outside, 0.0))
-        tokens[row] = torch.multinomial(probs, 1, generator=gen)[0]
+        if not p.greedy:
+            tokens[row] = torch.multinomial(probabilities(logits[row], p), 1, generator=gen)[0]
     return tokens

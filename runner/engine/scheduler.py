@@ -42,7 +42,8 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0 or seq.status is not Status.RUNNING:
                 continue  # out of budget, or preempted by an older sequence just now
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = min(seq.num_tokens - seq.num_computed + len(seq.draft_ids), budget)
+            del seq.draft_ids[max(0, n - (seq.num_tokens - seq.num_computed)):]  # guesses beyond the budget wait
             while not self.blocks.can_hold(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -80,6 +81,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq)
+        seq.draft_ids, seq.draft_q = [], None
         seq.num_computed, seq.status = 0, Status.WAITING
         seq.preemptions += 1
         self.preemptions += 1

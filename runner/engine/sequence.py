@@ -42,6 +42,8 @@ class Sequence:
     num_computed: int = 0  # tokens whose keys and values are in the cache
     block_table: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
+    draft_ids: list[int] = field(default_factory=list)  # speculative guesses the next step verifies
+    draft_q: torch.Tensor | None = None  # the draft's distributions they were drawn from (sampling)
     finish_reason: str | None = None  # "stop" (EOS, a stop token or string) or "length"
     text: str = ""  # the detokenized output, cut before a stop string
     preemptions: int = 0

@@ -201,6 +201,10 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             ("prefix_cache_queried_tokens_total", "counter", "Prompt tokens looked up in the prefix cache.", blocks.queried_tokens),
             ("prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the prefix cache.", blocks.hit_tokens),
             ("preemptions_total", "counter", "Requests preempted for lack of KV blocks (recomputed later).", e.scheduler.preemptions),
+            ("speculative_acceptance_rate", "gauge", "Share of speculative guesses the model accepted (0 without --speculative).",
+             e.spec_accepted / e.spec_proposed if e.spec_proposed else 0.0),
+            ("speculative_guesses_total", "counter", "Speculative guesses verified.", e.spec_proposed),
+            ("speculative_accepted_total", "counter", "Speculative guesses accepted.", e.spec_accepted),
         ])
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

@@ -1,0 +1,184 @@
+"""Speculative decoding: a cheap proposer guesses a sequence's next tokens, the target model scores
+them all in one step, and the longest run it agrees with is kept, plus one token of its own.
+
+Proposers:
+- ``draft=DIR``: a smaller model with the same tokenizer, run by the same forward pass on a KV cache
+  of its own. Each round it first catches up on the tokens it has not seen (the target's last
+  accepted ones), then decodes its guesses one step at a time, all sequences batched.
+- ``ngram``: prompt lookup. The sequence's last n tokens (n from ``prompt_lookup_max`` down to
+  ``prompt_lookup_min``) are looked up earlier in its own tokens; the tokens that followed there
+  are the guess. No model: free, and right when the output quotes its prompt.
+
+Acceptance (``verify``): greedy keeps a guess while it equals the target's argmax, so the output
+is the plain run's token for token. Sampling keeps guess ``x`` with probability
+``min(1, p(x) / q(x))`` (``p`` the target's distribution, ``q`` the proposer's; an n-gram guess is a
+point mass, ``q(x) = 1``) and on a rejection draws from ``max(p - q, 0)`` renormalised: the output
+is distributed as the target's alone (Leviathan et al., 2023).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from quant.types import InputError
+from runner.engine.batch import layout
+from runner.engine.block_manager import BlockManager
+from runner.engine.kv_cache import KVPool, bytes_per_token
+from runner.engine.model import DecoderModel
+from runner.engine.sampling import SamplingParams, probabilities
+from runner.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``method``: "draft" (with ``draft_model``) or "ngram"; ``num_tokens``: guesses per step."""
+
+    method: str
+    draft_model: Path | None = None
+    num_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    @staticmethod
+    def parse(text: str) -> "SpeculativeConfig":
+        """``--speculative``: ``ngram`` or ``draft=DIR``, each optionally ``,k=N`` (guesses per step)."""
+        head, *options = text.split(",")
+        k = 4
+        for option in options:
+            name, _, value = option.partition("=")
+            if name != "k" or not value.isdigit() or not 1 <= int(value) <= 16:
+                raise InputError(f"--speculative {text}: options are k=N (1..16 guesses per step)")
+            k = int(value)
+        if head == "ngram":
+            return SpeculativeConfig("ngram", num_tokens=k)
+        if head.startswith("draft=") and len(head) > 6:
+            return SpeculativeConfig("draft", Path(head[6:]), num_tokens=k)
+        raise InputError(f"--speculative {text}: ngram, or draft=DIR (a smaller model with the same tokenizer)")
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        out = []
+        for seq, k in zip(seqs, limits):
+            out.append(self._lookup(np.asarray(seq.prompt_ids + seq.output_ids), k) if k else [])
+        return out, [None] * len(seqs)
+
+    def _lookup(self, tokens: np.ndarray, k: int) -> list[int]:
+        """The ``k`` tokens that followed the latest earlier occurrence of the longest suffix found."""
+        for n in range(min(self.config.prompt_lookup_max, len(tokens) - 1), self.config.prompt_lookup_min - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # every earlier n-gram
+            hits = np.flatnonzero((windows == tokens[-n:]).all(1))
+            if hits.size:
+                start = hits[-1] + n
+                return tokens[start : start + k].tolist()
+        return []
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+
+class DraftProposer:
+    """A draft model's guesses, with the KV cache it keeps per sequence between rounds."""
+
+    def __init__(self, config: SpeculativeConfig, target_arch, dtype: torch.dtype, device: torch.device, tokens: int,
+                 block_size: int, open_model):
+        ckpt = open_model(config.draft_model)
+        if ckpt.arch.vocab != target_arch.vocab:
+            raise InputError(f"--speculative draft={config.draft_model}: a vocabulary of {ckpt.arch.vocab} tokens; "
+                             f"the target's has {target_arch.vocab} (the draft needs the target's tokenizer)")
+        self.config, self.device, self.block_size = config, device, block_size
+        self.model = DecoderModel(ckpt, dtype, device)
+        cache = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+        num_blocks = -(-tokens // block_size)
+        self.pool = KVPool(ckpt.arch, num_blocks, block_size, cache, dtype, device)
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching=False)
+        self._state: dict[int, Sequence] = {}  # the draft's own copy of each target sequence
+        self.nbytes = num_blocks * block_size * bytes_per_token(ckpt.arch, cache)
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        mirrors = [self._mirror(seq) for seq in seqs]
+        guesses: list[list[int]] = [[] for _ in seqs]
+        dists: list[list[torch.Tensor]] = [[] for _ in seqs]
+        active = [i for i, k in enumerate(limits) if k]
+        for round_ in range(max(limits, default=0)):
+            active = [i for i in active if len(guesses[i]) < limits[i]]
+            work = []
+            for i in active:
+                m = mirrors[i]
+                if not self.blocks.can_hold(m, m.num_tokens):
+                    continue  # the draft's cache is full: this sequence gets fewer guesses
+                self.blocks.grow(m, m.num_tokens)
+                work.append(i)
+            active = work
+            if not active:
+                break
+            step, _ = layout([(mirrors[i], mirrors[i].num_tokens - mirrors[i].num_computed) for i in active],
+                             self.block_size, self.device)
+            logits = self.model.forward(step, self.pool)
+            for row, i in enumerate(active):
+                m, seq = mirrors[i], seqs[i]
+                m.num_computed = m.num_tokens
+                if seq.params.greedy:
+                    token = int(logits[row].argmax())
+                else:
+                    q = probabilities(logits[row], seq.params)
+                    token = int(torch.multinomial(q, 1, generator=seq.generator)[0])
+                    dists[i].append(q)
+                guesses[i].append(token)
+                m.output_ids.append(token)
+        return guesses, [torch.stack(d) if d else None for d in dists]
+
+    def _mirror(self, seq: Sequence) -> Sequence:
+        """The draft's sequence for ``seq``: its tokens now, with the cache it kept of those that
+        still agree (a rejected guess's keys are dropped)."""
+        mine = self._state.get(seq.id)
+        if mine is None:
+            mine = self._state[seq.id] = Sequence(seq.id, seq.prompt_ids, seq.params, None)
+        tokens = seq.prompt_ids + seq.output_ids
+        had = mine.prompt_ids + mine.output_ids
+        common = min(len(tokens), len(had), mine.num_computed)
+        same = np.asarray(tokens[:common]) == np.asarray(had[:common])
+        mine.num_computed = common if same.all() else int(same.argmin())
+        mine.output_ids = list(seq.output_ids)
+        return mine
+
+    def release(self, seq: Sequence) -> None:
+        mine = self._state.pop(seq.id, None)
+        if mine is not None:
+            self.blocks.free(mine)
+
+
+def verify(logits: torch.Tensor, seq: Sequence, guesses: list[int], q: torch.Tensor | None) -> tuple[list[int], int]:
+    """The tokens ``seq`` keeps from a step that scored its ``guesses``: ``logits`` [len+1, vocab]
+    are the target's after its last token and after each guess. Returns the kept tokens (accepted
+    guesses, then one of the target's own) and how many guesses were accepted."""
+    p: SamplingParams = seq.params
+    if p.greedy:
+        best = logits.argmax(-1).tolist()
+        accepted = 0
+        while accepted < len(guesses) and guesses[accepted] == best[accepted]:
+            accepted += 1
+        return guesses[:accepted] + [best[accepted]], accepted
+    target = probabilities(logits, p)
+    draws = torch.rand(len(guesses), generator=seq.generator).tolist()
+    for i, (x, u) in enumerate(zip(guesses, draws)):
+        px = float(target[i, x])
+        qx = 1.0 if q is None else float(q[i, x])
+        if u * qx < px:  # accept with probability min(1, p/q)
+            continue
+        residual = target[i] if q is None else (target[i] - q[i]).clamp_min(0)
+        if q is None:
+            residual = residual.index_fill(0, torch.tensor([x]), 0.0)
+        if float(residual.sum()) <= 0:  # p == q up to rounding: any draw from p will do
+            residual = target[i]
+        token = int(torch.multinomial(residual, 1, generator=seq.generator)[0])
+        return guesses[:i] + [token], i
+    token = int(torch.multinomial(target[len(guesses)], 1, generator=seq.generator)[0])
+    return guesses + [token], len(guesses)

@@ -1,0 +1,176 @@
+"""Speculative decoding (runner/engine/speculative.py): greedy output equals plain decoding token
+for token, whatever the proposer guesses; sampled output is distributed as the target's alone
+(a chi-square test at a fixed seed, which the draft's own distribution fails); every block of the
+target's cache and the draft's is free afterwards; bad options get one line."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TINY
+from quant.types import InputError
+from runner import LLM, SamplingParams
+from runner.engine.speculative import NgramProposer, SpeculativeConfig
+from test_engine import prompts_from_text, random_model
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    """A draft with the target's tokenizer that guesses differently (random weights)."""
+    return random_model(tmp_path_factory.mktemp("draft") / "draft", "llama", num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def near_draft(tmp_path_factory):
+    """A draft whose distributions overlap the target's without being them: the target's weights
+    with noise, so that rejection sampling both keeps and refuses guesses."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("near") / "near"
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and "layers" in name:
+                p.add_(torch.randn_like(p) * p.std() * 0.6)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY / name, folder)
+    return folder
+
+
+def run(prompts, params, **engine):
+    llm = LLM(TINY, dtype="fp32", kv_memory=32 * 2**20, max_num_seqs=4, **engine)
+    outs = llm.generate(prompts, params)
+    e = llm.engine
+    assert e.blocks.num_free == e.blocks.num_blocks
+    if engine.get("speculative", "").startswith("draft"):
+        assert e.proposer.blocks.num_free == e.proposer.blocks.num_blocks
+    return outs, e
+
+
+@pytest.mark.parametrize("speculative", ["self", "other", "ngram", "ngram,k=8"])
+def test_greedy_output_is_plain_decodings_token_for_token(draft, speculative):
+    spec = {"self": f"draft={TINY}", "other": f"draft={draft}"}.get(speculative, speculative)
+    prompts = prompts_from_text([3, 17, 40, 1, 64, 9, 25, 90])
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
+    plain, _ = run(prompts, params)
+    ours, engine = run(prompts, params, speculative=spec)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in plain]
+    for a, b in zip(ours, plain):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert engine.spec_proposed > 0
+    if speculative == "self":  # the target guessing for itself: every guess is right
+        assert engine.spec_accepted == engine.spec_proposed
+
+
+def test_stop_tokens_and_max_tokens_cut_inside_an_accepted_run():
+    prompts = prompts_from_text([20, 30])
+    plain, _ = run(prompts, SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))
+    stop = plain[0].token_ids[3]
+    params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True, stop_token_ids=[stop])
+    reference, _ = run(prompts, params)
+    ours, _ = run(prompts, params, speculative=f"draft={TINY}")
+    assert [o.token_ids for o in ours] == [o.token_ids for o in reference]
+    assert ours[0].token_ids[-1] == stop and ours[0].finish_reason == "stop"
+    assert all(len(o.token_ids) <= 7 for o in ours)
+
+
+def chi_square_bound(dof: int, z: float = 3.09) -> float:
+    """The chi-square distribution's 99.9% point (Wilson-Hilferty)."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def joint_distribution(model_path, prompt: list[int], params: SamplingParams) -> dict[tuple[int, int], float]:
+    """P(first two tokens) under ``model_path`` at ``params``, exactly."""
+    from transformers import AutoModelForCausalLM
+
+    from runner.engine.sampling import probabilities
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        first = probabilities(model(torch.tensor([prompt])).logits[0, -1], params)
+        out = {}
+        for t1 in first.nonzero()[:, 0].tolist():
+            second = probabilities(model(torch.tensor([prompt + [t1]])).logits[0, -1], params)
+            for t2 in second.nonzero()[:, 0].tolist():
+                out[(t1, t2)] = float(first[t1] * second[t2])
+    return out
+
+
+def chi_square(counts: dict, expected: dict, n: int) -> tuple[float, int]:
+    """Pearson's statistic over the pairs expected at least 5 times, the rest pooled."""
+    big = [k for k, p in expected.items() if p * n >= 5]
+    stat, rest_seen, rest_expected = 0.0, n, n
+    for k in big:
+        e = expected[k] * n
+        stat += (counts.get(k, 0) - e) ** 2 / e
+        rest_seen -= counts.get(k, 0)
+        rest_expected -= e
+    if rest_expected >= 5:
+        stat += (rest_seen - rest_expected) ** 2 / rest_expected
+    return stat, len(big) - (rest_expected < 5)
+
+
+def sampled_pairs(prompt: list[int], params: SamplingParams, speculative, n: int = 3000):
+    """The first two tokens of ``n`` requests of 3 tokens, seeds 0..n-1: the first comes from the
+    prompt's step, the second is a guess verified by rejection sampling (or the target's draw after
+    a refusal), the third the target's own after an accepted guess."""
+    llm = LLM(TINY, dtype="fp32", kv_memory=64 * 2**20, max_num_seqs=256, speculative=speculative)
+    outs = llm.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=params.temperature, top_k=params.top_k,
+                                                      ignore_eos=True, seed=s) for s in range(n)])
+    counts: dict[tuple[int, int], int] = {}
+    for o in outs:
+        key = tuple(o.token_ids[:2])
+        counts[key] = counts.get(key, 0) + 1
+    return counts, llm.engine
+
+
+def test_sampled_output_with_a_draft_is_distributed_as_the_targets(near_draft):
+    prompt, params, n = prompts_from_text([12])[0], SamplingParams(temperature=1.0, top_k=4), 3000
+    counts, engine = sampled_pairs(prompt, params, f"draft={near_draft}", n)
+    assert engine.spec_proposed >= n and 0 < engine.spec_accepted < engine.spec_proposed  # guesses kept and refused
+    stat, dof = chi_square(counts, joint_distribution(TINY, prompt, params), n)
+    assert stat < chi_square_bound(dof), (stat, dof)
+    wrong, wrong_dof = chi_square(counts, joint_distribution(near_draft, prompt, params), n)
+    assert wrong > 10 * chi_square_bound(wrong_dof)  # the test can tell: the draft's own distribution is far off
+
+
+def test_sampled_output_with_ngram_guesses_is_distributed_as_the_targets():
+    """A lookup's guess is a point mass: kept with probability p(guess), else the draw excludes it."""
+    prompt, params, n = prompts_from_text([12])[0], SamplingParams(temperature=1.0, top_k=20), 3000
+    plain = LLM(TINY, dtype="fp32", kv_memory=16 * 2**20)
+    for _ in range(4):  # put the likeliest first tokens in the prompt, so that a one-token lookup finds them
+        prompt = list(plain.generate(prompt, SamplingParams(max_tokens=1, temperature=0, logprobs=4))[0].top_logprobs[0]) + prompt
+    counts, engine = sampled_pairs(prompt, params, SpeculativeConfig("ngram", prompt_lookup_min=1), n)
+    assert engine.spec_proposed >= n / 2 and engine.spec_accepted < engine.spec_proposed
+    stat, dof = chi_square(counts, joint_distribution(TINY, prompt, params), n)
+    assert stat < chi_square_bound(dof), (stat, dof)
+
+
+def test_ngram_lookup_takes_what_followed_the_latest_match():
+    proposer = NgramProposer(SpeculativeConfig("ngram", prompt_lookup_max=3, prompt_lookup_min=2))
+    tokens = np.array([5, 6, 7, 8, 9, 1, 5, 6, 7, 3, 4, 2, 6, 7])
+    assert proposer._lookup(tokens, 3) == [3, 4, 2]  # "6 7" last seen before 3 4 2
+    assert proposer._lookup(np.array([1, 2, 3, 4]), 3) == []
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("medusa", "ngram, or draft=DIR"), ("ngram,k=0", "k=N"), ("draft=", "ngram, or draft=DIR"),
+    ("draft=/no/such/model", "/no/such/model"),
+])
+def test_bad_speculative_options_get_one_line(text, fragment):
+    with pytest.raises(InputError, match=fragment.replace("=", "=").replace(".", r"\.")):
+        LLM(TINY, kv_memory=8 * 2**20, speculative=text)
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
+    other = random_model(tmp_path / "other", "llama", vocab_size=1024)
+    with pytest.raises(InputError, match="vocabulary of 1024"):
+        LLM(TINY, kv_memory=8 * 2**20, speculative=f"draft={other}")
