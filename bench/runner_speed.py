@@ -37,8 +37,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+import servers  # noqa: E402
+from printout import print_result  # noqa: E402
+
 TEXT = REPO / "recipes" / "bundled" / "eval.txt"
-ANCHORS = REPO / ".anchors"
 
 
 def workload(llm) -> tuple[list[list[int]], list[int]]:
@@ -154,47 +156,27 @@ def one_sequence(model: Path, variants: Path, threads: int) -> dict:
 
 
 def llama_server(model: Path, prompts: list[list[int]], outputs: list[int], threads: int, work: Path) -> dict | str:
-    server = ANCHORS / "llama-server" / "bin" / "llama-server"
-    if not server.exists():
+    if not servers.LLAMA_SERVER.exists():
         return "skipped: bash bench/anchors/setup.sh llama-server builds it (about 10 minutes)"
-    import socket
     import urllib.request
     from concurrent.futures import ThreadPoolExecutor
 
-    gguf = work / "model-F16.gguf"
-    subprocess.run([sys.executable, "-m", "recipes.cli", "export", str(model), "--gguf", "F16", "-o", str(gguf)], check=True,
-                   cwd=REPO, capture_output=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-                             "-np", "8", "-c", str(8 * 1024), "--no-webui"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    port = servers.free_port()
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2)
-                break
-            except OSError:
-                if time.time() > deadline or proc.poll() is not None:
-                    return "skipped: llama-server did not start"
-                time.sleep(0.5)
+        with servers.running(servers.llama_server(servers.export_f16(model, work), port, threads, 8, 1024), port) as url:
+            def complete(item):
+                prompt, n = item
+                body = json.dumps({"prompt": prompt, "n_predict": n, "temperature": 0, "ignore_eos": True, "cache_prompt": False})
+                request = urllib.request.Request(url + "/completion", body.encode(), {"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=600) as r:
+                    return json.loads(r.read())["tokens_predicted"]
 
-        def complete(item):
-            prompt, n = item
-            body = json.dumps({"prompt": prompt, "n_predict": n, "temperature": 0, "ignore_eos": True, "cache_prompt": False})
-            request = urllib.request.Request(url + "/completion", body.encode(), {"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=600) as r:
-                return json.loads(r.read())["tokens_predicted"]
-
-        start = time.perf_counter()
-        with ThreadPoolExecutor(8) as pool:
-            tokens = sum(pool.map(complete, zip(prompts, outputs)))
-        seconds = time.perf_counter() - start
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+            start = time.perf_counter()
+            with ThreadPoolExecutor(8) as pool:
+                tokens = sum(pool.map(complete, zip(prompts, outputs)))
+            seconds = time.perf_counter() - start
+    except RuntimeError as error:
+        return f"skipped: {error}"
     return {"tokens_per_s": tokens / seconds, "seconds": seconds}
 
 
@@ -222,18 +204,19 @@ if __name__ == "__main__":
 
 
 def vllm(model: Path, prompts: list[list[int]], outputs: list[int], threads: int, work: Path) -> dict | str:
-    python = ANCHORS / "vllm" / "bin" / "python"
+    python = servers.VLLM_PYTHON
     if not python.exists():
         return "skipped: bash bench/anchors/setup.sh vllm installs it (about 75 s)"
     data, script = work / "workload.json", work / "vllm_offline.py"
     data.write_text(json.dumps([prompts, outputs]))
     script.write_text(VLLM)
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, **servers.vllm_env(threads)}  # a fixed 2 GiB KV space: its default takes a share of free memory
     proc = subprocess.run([str(python), str(script), str(model), str(data)], capture_output=True, text=True, env=env,
                           timeout=1800)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     if line is None:
-        return f"skipped: vLLM failed ({(proc.stderr.strip().splitlines() or ['no output'])[-1][:200]})"
+        causes = [l for l in proc.stderr.splitlines() if "Error" in l and "Engine core initialization failed" not in l]
+        return f"skipped: vLLM failed ({(causes or proc.stderr.strip().splitlines() or ['no output'])[-1].strip()[:300]})"
     r = json.loads(line[7:])
     return {"tokens_per_s": r["tokens"] / r["seconds"], "seconds": r["seconds"]}
 
@@ -273,13 +256,7 @@ def main() -> None:
     one = rows["one sequence"]
     for q in ("int8", "int4"):
         ratios[f"one sequence {q} vs bf16 (target > 1)"] = one[q]["tokens_per_s"] / one["bf16"]["tokens_per_s"]
-    if args.json:
-        print(json.dumps({"rows": rows, "ratios": ratios}, indent=2))
-        return
-    for name, row in rows.items():
-        print(f"{name}: {json.dumps(row) if isinstance(row, dict) else row}")
-    for name, ratio in ratios.items():
-        print(f"{name}: {ratio:.2f}")
+    print_result(rows, ratios, as_json=args.json)
 
 
 if __name__ == "__main__":

@@ -174,3 +174,17 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
     other = random_model(tmp_path / "other", "llama", vocab_size=1024)
     with pytest.raises(InputError, match="vocabulary of 1024"):
         LLM(TINY, kv_memory=8 * 2**20, speculative=f"draft={other}")
+
+
+def test_bench_with_speculative_reports_acceptance_and_speedup(monkeypatch, capsys):
+    import json
+
+    from test_cli import quantize
+
+    code, out, err = quantize(monkeypatch, capsys, "bench", TINY, "--requests", "2", "--concurrency", "1", "--prompt-tokens",
+                              "40", "--output-tokens", "12", "--speculative", "ngram,k=3", "--kv-memory", "16MiB", "--json")
+    assert code == 0, err
+    spec = json.loads(out)["speculative"]
+    assert spec["method"] == "ngram" and spec["guesses_per_step"] == 3 and 0 <= spec["acceptance_rate"] <= 1
+    assert spec["plain_output_tokens_per_s"] > 0
+    assert spec["speedup"] == pytest.approx(json.loads(out)["output_tokens_per_s"] / spec["plain_output_tokens_per_s"])

