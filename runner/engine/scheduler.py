@@ -42,8 +42,11 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0 or seq.status is not Status.RUNNING:
                 continue  # out of budget, or preempted by an older sequence just now
-            n = min(seq.num_tokens - seq.num_computed + len(seq.draft_ids), budget)
-            del seq.draft_ids[max(0, n - (seq.num_tokens - seq.num_computed)):]  # guesses beyond the budget wait
+            own = seq.num_tokens - seq.num_computed
+            n = min(own + len(seq.draft_ids), budget)
+            if n > own and not self.blocks.can_hold(seq, seq.num_computed + n):
+                n = min(own, budget)  # speculative guesses never cost another sequence its place
+            del seq.draft_ids[max(0, n - own):]  # guesses beyond the budget are dropped
             while not self.blocks.can_hold(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)

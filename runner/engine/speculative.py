@@ -28,7 +28,7 @@ from quant.types import InputError
 from runner.engine.batch import layout
 from runner.engine.block_manager import BlockManager
 from runner.engine.checkpoint import open_model
-from runner.engine.kv_cache import KVPool, bytes_per_token
+from runner.engine.kv_cache import KVPool
 from runner.engine.model import DecoderModel
 from runner.engine.sampling import SamplingParams, probabilities
 from runner.engine.sequence import Sequence
@@ -101,23 +101,15 @@ class DraftProposer:
         self.pool = KVPool(ckpt.arch, num_blocks, block_size, cache, dtype, device)
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=False)
         self._state: dict[int, Sequence] = {}  # the draft's own copy of each target sequence
-        self.nbytes = num_blocks * block_size * bytes_per_token(ckpt.arch, cache)
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        mirrors = [self._mirror(seq) for seq in seqs]
         guesses: list[list[int]] = [[] for _ in seqs]
         dists: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(limits) if k]
-        for round_ in range(max(limits, default=0)):
-            active = [i for i in active if len(guesses[i]) < limits[i]]
-            work = []
-            for i in active:
-                m = mirrors[i]
-                if not self.blocks.can_hold(m, m.num_tokens):
-                    continue  # the draft's cache is full: this sequence gets fewer guesses
-                self.blocks.grow(m, m.num_tokens)
-                work.append(i)
-            active = work
+        mirrors = {i: self._mirror(seqs[i]) for i in active}
+        while active:
+            # each round feeds every mirror what it has not seen (its last guess, or the target's tokens)
+            active = [i for i in active if len(guesses[i]) < limits[i] and self._room(mirrors[i])]
             if not active:
                 break
             step, _ = layout([(mirrors[i], mirrors[i].num_tokens - mirrors[i].num_computed) for i in active],
@@ -135,6 +127,13 @@ class DraftProposer:
                 guesses[i].append(token)
                 m.output_ids.append(token)
         return guesses, [torch.stack(d) if d else None for d in dists]
+
+    def _room(self, mirror: Sequence) -> bool:
+        """Blocks for the mirror's next step; False when the draft's cache is full (fewer guesses)."""
+        if not self.blocks.can_hold(mirror, mirror.num_tokens):
+            return False
+        self.blocks.grow(mirror, mirror.num_tokens)
+        return True
 
     def _mirror(self, seq: Sequence) -> Sequence:
         """The draft's sequence for ``seq``: its tokens now, with the cache it kept of those that
