@@ -70,6 +70,24 @@ def test_greedy_output_is_plain_decodings_token_for_token(draft, speculative):
         assert engine.spec_accepted == engine.spec_proposed
 
 
+def test_guesses_under_preemption_change_no_token():
+    """A pool too small for every sequence: preempted sequences lose their guesses, and guesses
+    only take blocks that are free; the tokens stay plain decoding's."""
+    from formats.hf import HFCheckpoint
+    from runner.engine.kv_cache import bytes_per_token
+
+    prompts = prompts_from_text([3, 17, 40, 1, 64, 9, 25, 90])
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain, _ = run(prompts, params)
+    per_block = bytes_per_token(HFCheckpoint.open(TINY).arch, "fp32") * 16
+    llm = LLM(TINY, dtype="fp32", kv_memory=10 * per_block, max_model_len=128, max_num_seqs=8, speculative="ngram")
+    ours = llm.generate(prompts, params)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in plain]
+    engine = llm.engine
+    assert engine.scheduler.preemptions > 0 and engine.spec_proposed > 0
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
 def test_stop_tokens_and_max_tokens_cut_inside_an_accepted_run():
     prompts = prompts_from_text([20, 30])
     plain, _ = run(prompts, SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))

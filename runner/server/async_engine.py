@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from quant.types import InputError
 from runner.engine.llm import LLM
 from runner.engine.sampling import SamplingParams
-from runner.engine.sequence import Metrics, Sequence
+from runner.engine.sequence import Sequence
 from runner.server.metrics import ServerMetrics
 
 
@@ -37,7 +37,6 @@ class Update:
     top_logprobs: list[dict[int, float]]
     finish_reason: str | None = None
     error: tuple[int, str] | None = None  # HTTP status and message: the engine could not run it
-    metrics: Metrics | None = None  # with the last update
 
 
 @dataclass
@@ -154,7 +153,6 @@ class AsyncEngine:
                         seq.top_logprobs[request.sent_tokens:], seq.finish_reason if done else None, error)
         request.sent_text, request.sent_tokens = max(request.sent_text, len(text)), len(seq.output_ids)
         if done:
-            update.metrics = seq.metrics
             del self._active[seq.id]
             self.metrics.observe(seq.metrics, seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids))
         request.post(update)
