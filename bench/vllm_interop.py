@@ -101,7 +101,7 @@ def vllm_side(folder: Path, prompts: list[list[int]], dtype: str, work: Path, th
                           capture_output=True, text=True, timeout=1200, env={**os.environ, **servers.vllm_env(threads)})
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     if line is None:
-        lines = proc.stderr.splitlines()
+        lines = (proc.stdout + "\n" + proc.stderr).splitlines()  # vLLM's processes log to both
         # the root cause comes first: a C++ kernel's own message, else the worker's exception
         cause = next((l for l in lines if "what():" in l), None) or next((l for l in lines if "Error: " in l), None)
         return f"refused: {(cause or (lines or ['no output'])[-1]).split('] ')[-1].strip()[:300]}"
