@@ -66,17 +66,16 @@ class BlockManager:
                 if self._key[block] is None:
                     self._free.move_to_end(block, last=False)  # nothing to keep: reused first
         seq.block_table = []
-        seq.block_keys = []
+        seq.blocks_keyed = 0
 
     def match(self, seq: Sequence) -> list[int]:
         """The cached blocks that hold the start of a sequence with nothing computed yet, leaving at
         least one token to compute (the step that samples needs its logits)."""
         if not self.prefix_caching:
             return []
-        found, key = [], b""
-        bs = self.block_size
-        for i in range((seq.num_tokens - 1) // bs):
-            key = block_key(key, seq.tokens(i * bs, (i + 1) * bs))
+        found, count = [], (seq.num_tokens - 1) // self.block_size
+        self._key_blocks(seq, count)
+        for key in seq.block_keys[:count]:
             block = self._cached.get(key)
             if block is None:
                 break
@@ -96,17 +95,24 @@ class BlockManager:
                 del self._free[block]
             self._refs[block] += 1
         seq.block_table = list(found)
-        seq.block_keys = [self._key[b] for b in found]
+        seq.blocks_keyed = len(found)
         seq.num_computed = len(found) * self.block_size
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Key the blocks ``seq`` has filled since last asked, so later sequences can share them."""
         if not self.prefix_caching:
             return
-        bs = self.block_size
-        for i in range(len(seq.block_keys), seq.num_computed // bs):
-            key = block_key(seq.block_keys[-1] if seq.block_keys else b"", seq.tokens(i * bs, (i + 1) * bs))
-            seq.block_keys.append(key)
+        full = seq.num_computed // self.block_size
+        self._key_blocks(seq, full)
+        for i, key in enumerate(seq.block_keys[seq.blocks_keyed : full], seq.blocks_keyed):
             block = seq.block_table[i]
             if key not in self._cached and self._key[block] is None:
                 self._cached[key], self._key[block] = block, key
+        seq.blocks_keyed = max(seq.blocks_keyed, full)
+
+    def _key_blocks(self, seq: Sequence, count: int) -> None:
+        """Make ``seq.block_keys`` hold the keys of its first ``count`` full blocks of tokens. A
+        sequence's tokens only grow, so each key is computed once, whatever is cached or computed."""
+        bs = self.block_size
+        for i in range(len(seq.block_keys), count):
+            seq.block_keys.append(block_key(seq.block_keys[-1] if seq.block_keys else b"", seq.tokens(i * bs, (i + 1) * bs)))

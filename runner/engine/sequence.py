@@ -41,7 +41,8 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens whose keys and values are in the cache
     block_table: list[int] = field(default_factory=list)
-    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its tokens' full blocks
+    blocks_keyed: int = 0  # of its blocks, how many the prefix cache has been offered
     draft_ids: list[int] = field(default_factory=list)  # speculative guesses the next step verifies
     draft_q: torch.Tensor | None = None  # the draft's distributions they were drawn from (sampling)
     finish_reason: str | None = None  # "stop" (EOS, a stop token or string) or "length"
