@@ -155,7 +155,7 @@ _KV_DTYPE = typer.Option("auto", "--kv-cache-dtype", help="KV cache: auto (as --
 _BLOCK = typer.Option(16, "--block-size", help="Tokens per KV-cache block.")
 _SEQS = typer.Option(256, "--max-num-seqs", help="Most sequences running at once.")
 _TOKENS = typer.Option(2048, "--max-num-batched-tokens", help="Most tokens in one step (decode tokens and prompt chunks).")
-_KV_MEMORY = typer.Option(None, "--kv-memory", help="KV pool: bytes (e.g. 2GiB, 512MiB) or a share of free memory (e.g. 0.3); default 0.5.")
+_KV_MEMORY = typer.Option(None, "--kv-memory", help="KV pool: bytes (e.g. 2GiB, 512MiB) or a share of free memory (e.g. 0.3; default 0.5, capped at what --max-num-seqs sequences fill).")
 _MAX_LEN = typer.Option(None, "--max-model-len", help="Longest sequence, prompt and output (default: the model's context).")
 _SPEC = typer.Option(None, "--speculative", help="Guess tokens and verify them in one step: ngram (prompt lookup), or "
                      "draft=DIR (a smaller model with the same tokenizer); ',k=N' guesses per step (default 4).")

@@ -310,3 +310,9 @@ def test_cached_blocks_give_way_least_recently_used_first(models):
     blocks = llm.engine.blocks
     assert blocks.hit_tokens > 0
     assert blocks.num_free == blocks.num_blocks
+
+
+def test_a_share_of_memory_is_capped_at_what_the_running_sequences_can_fill():
+    llm = LLM(TINY, max_num_seqs=4, max_model_len=256, kv_memory=0.5)
+    assert llm.engine.blocks.num_blocks == 4 * 256 // 16
+    assert LLM(TINY, max_num_seqs=4, max_model_len=256, kv_memory=8 * 2**20).engine.blocks.num_blocks > 4 * 256 // 16

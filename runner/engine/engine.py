@@ -34,9 +34,10 @@ class EngineConfig:
     """The engine's options, under the names the CLI uses (``--dtype``, ``--kv-cache-dtype``, ...).
 
     ``kv_memory``: bytes for the KV pool, or a share (0 to 1] of the memory available now (after the
-    weights are loaded); ``max_model_len``: the longest sequence, prompt and output (default: the
-    model's context); ``enable_prefix_caching``: share the KV blocks of prompts' common starts;
-    ``speculative``: guess tokens with a draft model or prompt lookup, verified in one step."""
+    weights are loaded), then no more than ``max_num_seqs`` sequences of ``max_model_len`` fill;
+    ``max_model_len``: the longest sequence, prompt and output (default: the model's context);
+    ``enable_prefix_caching``: share the KV blocks of prompts' common starts; ``speculative``: guess
+    tokens with a draft model or prompt lookup, verified in one step."""
 
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -75,6 +76,9 @@ class Engine:
         budget = _budget(config.kv_memory)
         num_blocks = int(budget // per_block)
         needed = -(-self.max_model_len // config.block_size)
+        if not (isinstance(config.kv_memory, (int, float)) and config.kv_memory > 1):
+            # a share of memory, not bytes asked for: no more than max_num_seqs full-length sequences use
+            num_blocks = min(num_blocks, config.max_num_seqs * needed)
         if num_blocks < needed:
             raise InputError(f"KV memory {budget / 2**20:,.1f} MiB holds {num_blocks} blocks of {config.block_size} tokens; "
                              f"one sequence of max_model_len {self.max_model_len} needs {needed} "
