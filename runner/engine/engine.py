@@ -16,7 +16,7 @@ import torch
 from quant.types import InputError
 from runner.engine.block_manager import BlockManager
 from runner.engine.checkpoint import open_model
-from runner.engine.kv_cache import BITS, FLOAT_CACHES, KVPool, bytes_per_token
+from runner.engine.kv_cache import BITS, FLOAT_CACHES, KVPool, bytes_per_token, float_cache
 from runner.engine.batch import layout
 from runner.engine.model import DecoderModel
 from runner.engine.sampling import SamplingParams, sample
@@ -63,8 +63,7 @@ class Engine:
         arch = self.arch = self.ckpt.arch
         dtype = self._dtype(config.dtype, "dtype")
         self.model = DecoderModel(self.ckpt, dtype, self.device)
-        cache = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype] \
-            if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+        cache = float_cache(dtype) if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
         self.max_model_len = config.max_model_len or arch.max_context
         if not self.max_model_len or self.max_model_len < 1:
             raise InputError(f"{self.ckpt.path}: the model states no context length: give max_model_len")

@@ -29,6 +29,11 @@ from quant.types import Architecture, InputError
 
 BITS = {"fp32": 32.0, "fp16": 16.0, "bf16": 16.0, "fp8": 8.0, "int8": 8.5, "int4": 4.5}  # per cached value
 FLOAT_CACHES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def float_cache(dtype: torch.dtype) -> str:
+    """The float cache that stores values as ``dtype`` computes them (the ``auto`` cache)."""
+    return next(name for name, d in FLOAT_CACHES.items() if d == dtype)
 _FP8_MAX = 448.0
 
 

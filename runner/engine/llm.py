@@ -76,8 +76,11 @@ class LLM:
         return text[:safe]
 
     def add(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
-        ids = prompt if isinstance(prompt, list) else self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        return self.engine.add(ids, params)
+        return self.engine.add(self.token_ids(prompt), params)
+
+    def token_ids(self, prompt: str | list[int]) -> list[int]:
+        """A prompt as the engine takes it: token ids as given, a text tokenized with its special tokens."""
+        return list(prompt) if isinstance(prompt, list) else self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
     def step(self) -> list[Sequence]:
         """One engine step; the sequences it finished, those ended by a stop string included."""

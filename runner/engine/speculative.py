@@ -28,7 +28,7 @@ from quant.types import InputError
 from runner.engine.batch import layout
 from runner.engine.block_manager import BlockManager
 from runner.engine.checkpoint import open_model
-from runner.engine.kv_cache import KVPool
+from runner.engine.kv_cache import KVPool, float_cache
 from runner.engine.model import DecoderModel
 from runner.engine.sampling import SamplingParams, probabilities
 from runner.engine.sequence import Sequence
@@ -96,9 +96,8 @@ class DraftProposer:
                              f"the target's has {target_arch.vocab} (the draft needs the target's tokenizer)")
         self.config, self.device, self.block_size = config, device, block_size
         self.model = DecoderModel(ckpt, dtype, device)
-        cache = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
         num_blocks = -(-tokens // block_size)
-        self.pool = KVPool(ckpt.arch, num_blocks, block_size, cache, dtype, device)
+        self.pool = KVPool(ckpt.arch, num_blocks, block_size, float_cache(dtype), dtype, device)
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=False)
         self._state: dict[int, Sequence] = {}  # the draft's own copy of each target sequence
 

@@ -49,12 +49,9 @@ class Server:
                            "model_not_found")
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        else:
-            ids = list(prompt)
-            if any(not 0 <= t < self.vocab for t in ids):
-                raise APIError(400, f"prompt: a token id outside the vocabulary (0..{self.vocab - 1})", "prompt")
+        ids = self.engine.llm.token_ids(prompt)
+        if any(not 0 <= t < self.vocab for t in ids):
+            raise APIError(400, f"prompt: a token id outside the vocabulary (0..{self.vocab - 1})", "prompt")
         if not ids:
             raise APIError(400, "prompt: empty", "prompt")
         return ids
@@ -94,9 +91,7 @@ class Server:
         return self.tokenizer.decode([token])
 
     def completion_logprobs(self, update_list: list[Update], offset: int) -> dict:
-        tokens = [t for u in update_list for t in u.token_ids]
-        chosen = [lp for u in update_list for lp in u.logprobs]
-        top = [d for u in update_list for d in u.top_logprobs]
+        tokens, chosen, top = _scored(update_list)
         texts = [self.token_text(t) for t in tokens]
         offsets, at = [], offset
         for text in texts:
@@ -107,9 +102,8 @@ class Server:
                 "text_offset": offsets}
 
     def chat_logprobs(self, update_list: list[Update]) -> dict:
-        tokens = [t for u in update_list for t in u.token_ids]
-        chosen = [lp for u in update_list for lp in u.logprobs]
-        top = [d for u in update_list for d in u.top_logprobs] or [{}] * len(tokens)
+        tokens, chosen, top = _scored(update_list)
+        top = top or [{}] * len(tokens)
 
         def entry(token: int, logprob: float) -> dict:
             text = self.token_text(token)
@@ -117,6 +111,12 @@ class Server:
 
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in d.items()]}
                             for t, lp, d in zip(tokens, chosen, top)]}
+
+
+def _scored(update_list: list[Update]) -> tuple[list[int], list[float], list[dict[int, float]]]:
+    """The updates' tokens, their log-probabilities and their likeliest alternatives, in order."""
+    return ([t for u in update_list for t in u.token_ids], [lp for u in update_list for lp in u.logprobs],
+            [d for u in update_list for d in u.top_logprobs])
 
 
 async def updates(request: Request) -> AsyncIterator[Update]:

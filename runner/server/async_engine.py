@@ -125,7 +125,7 @@ class AsyncEngine:
                 return
             if kind == "add":
                 try:
-                    request.seq = self.llm.engine.add(request.prompt_ids, request.params)
+                    request.seq = self.engine.add(request.prompt_ids, request.params)
                 except InputError as error:
                     request.post(Update("", [], [], [], "abort", (400, str(error))))
                     continue
