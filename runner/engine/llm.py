@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Iterator
 
 from formats.hf import load_tokenizer
+from runner.engine.detokenizer import Detokenizer
 from runner.engine.engine import Engine, EngineConfig
 from runner.engine.sampling import SamplingParams
 from runner.engine.sequence import Metrics, Sequence
@@ -36,6 +37,7 @@ class LLM:
         self.engine = Engine(model, EngineConfig(dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens,
                                                  kv_memory, max_model_len, seed, enable_prefix_caching, speculative))
         self.tokenizer = load_tokenizer(self.engine.ckpt)
+        self.detokenizer = Detokenizer(self.tokenizer)
 
     def generate(self, prompts: str | list[int] | list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -64,16 +66,11 @@ class LLM:
                 shown = len(text)
 
     def visible_text(self, seq: Sequence) -> str:
-        """The output text that can be shown now: all of it once finished; before that, not half a
-        character (a byte-level token may end mid-character) nor what may be the start of a stop
-        string. It only ever grows."""
-        if seq.finish_reason is not None:
+        """The output text that can be shown now: all of it once finished; before that, not what
+        may be the start of a stop string. It only ever grows."""
+        if seq.finish_reason is not None or not seq.params.stop:
             return seq.text
-        text = self._text(seq)
-        safe = len(text.rstrip("\ufffd"))
-        if seq.params.stop:
-            safe = min(safe, max(0, len(text) - max(len(s) for s in seq.params.stop) + 1))
-        return text[:safe]
+        return seq.text[: max(0, len(seq.text) - max(len(s) for s in seq.params.stop) + 1)]
 
     def add(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         return self.engine.add(self.token_ids(prompt), params)
@@ -83,14 +80,15 @@ class LLM:
         return list(prompt) if isinstance(prompt, list) else self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
     def step(self) -> list[Sequence]:
-        """One engine step; the sequences it finished, those ended by a stop string included."""
+        """One engine step; the sequences it finished, those ended by a stop string included.
+        Every sequence's text grows by its new tokens'."""
         finished = self.engine.step()
+        for seq in finished:
+            self._cut(seq, self.detokenizer.update(seq, final=True))
         for seq in list(self.engine.scheduler.running):
-            if seq.params.stop and self._cut(seq):
+            if self._cut(seq, self.detokenizer.update(seq)):
                 self.engine.finish(seq, "stop")
                 finished.append(seq)
-        for seq in finished:
-            self._cut(seq)
         return finished
 
     def output(self, seq: Sequence) -> RequestOutput:
@@ -98,13 +96,15 @@ class LLM:
                              seq.logprobs if seq.params.logprobs is not None else None,
                              seq.top_logprobs if seq.params.logprobs else None, seq.metrics)
 
-    def _text(self, seq: Sequence) -> str:
-        return self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-
-    def _cut(self, seq: Sequence) -> bool:
-        """Set ``seq.text``, cut before the first stop string; whether it held one."""
-        seq.text = self._text(seq)
-        cuts = [seq.text.find(s) for s in seq.params.stop if s in seq.text]
+    @staticmethod
+    def _cut(seq: Sequence, new: int) -> bool:
+        """Cut ``seq.text`` before the first stop string, looking only where one could end in the
+        text from ``new`` on; whether it held one."""
+        stops = seq.params.stop
+        if not stops:
+            return False
+        start = max(0, new - max(len(s) for s in stops) + 1)
+        cuts = [i for i in (seq.text.find(s, start) for s in stops) if i >= 0]
         if cuts:
             seq.text = seq.text[: min(cuts)]
         return bool(cuts)

@@ -46,7 +46,8 @@ class Sequence:
     draft_ids: list[int] = field(default_factory=list)  # speculative guesses the next step verifies
     draft_q: torch.Tensor | None = None  # the draft's distributions they were drawn from (sampling)
     finish_reason: str | None = None  # "stop" (EOS, a stop token or string) or "length"
-    text: str = ""  # the detokenized output, cut before a stop string
+    text: str = ""  # the output's text so far (whole characters), cut before a stop string
+    text_window: tuple[int, int] = (0, 0)  # output tokens: where the detokenizer's window starts, and how many are in text
     preemptions: int = 0
     arrival: float = field(default_factory=time.perf_counter)
     first_scheduled: float | None = None
