@@ -19,7 +19,7 @@ rest in the weights' dtype, as transformers does.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,20 @@ class DecodeBatch:
     owner: torch.Tensor
     first: torch.Tensor
     length: torch.Tensor  # per decoding sequence: its keys, the new one included
+    _per_window: dict = field(default_factory=dict, repr=False)
+
+    def scores_bias(self, window: int | None, block_size: int, kv: int, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """What every layer with this ``window`` adds to its scores, [blocks * kv, groups, block_size]:
+        0 where the block's key exists and is in the window, -inf elsewhere. Made once a step."""
+        if window not in self._per_window:
+            pos = self.first[:, None] + torch.arange(block_size, device=self.ids.device)
+            last = self.length[self.owner][:, None] - 1
+            hidden = pos > last
+            if window is not None:
+                hidden |= pos <= last - window
+            bias = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, float("-inf"))
+            self._per_window[window] = bias[:, None, None, :].expand(-1, kv, groups, -1).reshape(-1, groups, block_size)
+        return self._per_window[window]
 
 
 @dataclass
@@ -128,7 +142,7 @@ class DecoderModel:
                 "down": linear(p + "mlp.down_proj"),
             })
         kv = arch.kv_heads[0]
-        self._qkv = [arch.heads * arch.head_dim, kv * arch.head_dim, kv * arch.value_dim]
+        self._qkv_sizes = [arch.heads * arch.head_dim, kv * arch.head_dim, kv * arch.value_dim]
         self._gate_up = [arch.intermediate, arch.intermediate]
         self.norm = load("model.norm.weight")
         # A tied head multiplies by the embedding itself (a packed copy would double its memory).
@@ -142,53 +156,58 @@ class DecoderModel:
         """Next-token logits, float32, for ``step.sample_rows``; writes the step's keys and values."""
         a = self.arch
         x = self.embed[step.tokens]
-        cos, sin = self._rotary(step.positions)
+        rotary = self._rotary(step.positions)
+        only_decode = step.prefill is None  # then the decode rows are the step's rows, in order
         for index, layer in enumerate(self.layers):
-            h = self._norm(x, layer["attn_norm"])
-            q, k, v = _outputs(layer["qkv"], h, self._qkv)
-            q, k, v = q.view(-1, a.heads, a.head_dim), k.view(-1, a.kv_heads[0], a.head_dim), v.view(-1, a.kv_heads[0], a.value_dim)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k, v = self._qkv(layer["qkv"], self._norm(x, layer["attn_norm"]), rotary)
             pool.write(index, step.slots, k, v)
             q = pool.queries(q)
-            out = torch.empty(q.shape[0], a.heads, a.value_dim, dtype=torch.float32, device=x.device)
             window = a.windows[index]
-            if step.decode is not None:
-                out[step.decode.rows] = self._decode_attention(q[step.decode.rows], pool, index, step.decode, window)
-            if step.prefill is not None:
+            if only_decode:
+                out = self._decode_attention(q, pool, index, step.decode, window)
+            else:
+                out = torch.empty(q.shape[0], a.heads, a.value_dim, dtype=torch.float32, device=x.device)
+                if step.decode is not None:
+                    out[step.decode.rows] = self._decode_attention(q[step.decode.rows], pool, index, step.decode, window)
                 out[step.prefill.rows[step.prefill.valid]] = self._prefill_attention(q, pool, index, step.prefill, window)
             x = x + layer["o"][0](pool.outputs(out).to(x.dtype).flatten(1))
-            h = self._norm(x, layer["mlp_norm"])
-            gate, up = _outputs(layer["gate_up"], h, self._gate_up)
+            gate, up = _outputs(layer["gate_up"], self._norm(x, layer["mlp_norm"]), self._gate_up)
             x = x + layer["down"][0](F.silu(gate) * up)
         x = self._norm(x[step.sample_rows], self.norm)
         return self.lm_head(x).float()
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm in float32, as transformers' LlamaRMSNorm."""
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.arch.norm_eps)
-        return weight * h.to(x.dtype)
+        """RMSNorm in float32, as transformers' LlamaRMSNorm (torch's fused kernel computes it so)."""
+        return weight * torch.rms_norm(x, (x.shape[-1],), eps=self.arch.norm_eps)
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the step's positions, [tokens, 1, dim]; sin's first half negated, so that
+        ``x * cos + roll(x, dim / 2) * sin`` is transformers' ``x * cos + rotate_half(x) * sin``."""
         freqs = positions[:, None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), -1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return torch.cat((freqs, freqs), -1).cos().to(self.dtype)[:, None], \
+            torch.cat((-freqs.sin(), freqs.sin()), -1).to(self.dtype)[:, None]
+
+    def _qkv(self, layers: list[Linear], h: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries and keys, rotated, and values, [tokens, heads, dim]: with one fused product and
+        equal head sizes, queries and keys are rotated together."""
+        a, kv = self.arch, self.arch.kv_heads[0]
+        if len(layers) == 1 and a.value_dim == a.head_dim:
+            qkv = layers[0](h).view(h.shape[0], a.heads + 2 * kv, a.head_dim)
+            qk = _rotate(qkv[:, : a.heads + kv], *rotary)
+            return qk[:, : a.heads], qk[:, a.heads :], qkv[:, a.heads + kv :]
+        q, k, v = _outputs(layers, h, self._qkv_sizes)
+        q, k = q.view(-1, a.heads, a.head_dim), k.view(-1, kv, a.head_dim)
+        return _rotate(q, *rotary), _rotate(k, *rotary), v.view(-1, kv, a.value_dim)
 
     def _decode_attention(self, q: torch.Tensor, pool: KVPool, layer: int, d: DecodeBatch, window: int | None) -> torch.Tensor:
         a, bs = self.arch, pool.block_size
         kv, groups = a.kv_heads[0], a.heads // a.kv_heads[0]
         keys, values = pool.blocks(layer, d.ids)  # [blocks, kv, bs, dim], as the pool lays them out
-        nb = d.ids.numel()
-        qb = q.to(keys.dtype).view(-1, kv, groups, a.head_dim)[d.owner]  # [blocks, kv, groups, dim]
-        scores = torch.bmm(qb.view(nb * kv, groups, a.head_dim), keys.view(nb * kv, bs, a.head_dim).transpose(1, 2))
-        scores = scores.view(nb, kv, groups, bs).float() * self.scale
-        pos = d.first[:, None] + torch.arange(bs, device=q.device)  # [blocks, bs]
-        last = d.length[d.owner][:, None] - 1
-        hidden = pos > last
-        if window is not None:
-            hidden |= pos <= last - window
-        scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
-        n = d.length.numel()
+        nb, n = d.ids.numel(), d.length.numel()
+        qb = q.view(-1, kv, groups, a.head_dim)[d.owner]  # [blocks, kv, groups, dim]
+        bias = d.scores_bias(window, bs, kv, groups, keys.dtype)
+        scores = torch.baddbmm(bias, qb.view(nb * kv, groups, a.head_dim), keys.view(nb * kv, bs, a.head_dim).transpose(1, 2),
+                               alpha=self.scale).view(nb, kv, groups, bs).float()
         index = d.owner.view(-1, 1, 1).expand(-1, kv, groups)
         top = torch.full((n, kv, groups), float("-inf"), device=q.device).scatter_reduce_(0, index, scores.amax(-1), "amax")
         weights = torch.exp(scores - top[d.owner][..., None])
@@ -219,7 +238,6 @@ def _outputs(layers: list[Linear], x: torch.Tensor, sizes: list[int]) -> list[to
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding on ``x`` [tokens, heads, dim] with transformers' half-split pairs."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """Rotary embedding on ``x`` [tokens, heads, dim] with transformers' half-split pairs (``sin``
+    as ``_rotary`` makes it)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
