@@ -24,10 +24,12 @@ $(VENV)/.test: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.core
 	$(BIN)/quantize recipes/demo.yaml
 
-# GPTQModel, the loader the GPTQ export tests read our files back with, pins numpy and lives in its
-# own venv (.anchors/gptqmodel; quick when it is already there).
+# GPTQModel, the loader the GPTQ export tests read our files back with, pins numpy, and vLLM's CPU
+# build, which the interop test serves our exports with, pins transformers: each lives in its own
+# venv (.anchors/NAME; quick when it is already there).
 test: $(VENV)/.test
 	bash bench/anchors/setup.sh gptqmodel
+	bash bench/anchors/setup.sh vllm
 	$(BIN)/python -m pytest tests
 
 clean:

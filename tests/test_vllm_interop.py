@@ -1,0 +1,47 @@
+"""Our W4A16 (compressed-tensors and GPTQ), AWQ (compressed-tensors and AWQ) and W8A8 exports served
+by vLLM's CPU build, in its own virtualenv (``make test`` sets it up), through
+bench/vllm_interop.py: vLLM's greedy tokens and prompt log-probabilities against transformers' on
+the same files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM = REPO / ".anchors" / "vllm" / "bin" / "python"
+
+pytestmark = pytest.mark.skipif(not VLLM.exists(), reason="vLLM's CPU build is not set up: bash bench/anchors/setup.sh vllm")
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("vllm")
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "vllm_interop.py"), "--json", "--work", str(work),
+                           "--only", "w4a16-g128,awq-w4-g128,w8a8-int8"], capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)
+    original = rows["original (float16)"]
+    if isinstance(original, str):  # a CPU this build has no kernels for: vLLM runs no model at all here
+        pytest.skip(f"vLLM's CPU build runs no model on this machine ({original})")
+    return rows
+
+
+@pytest.mark.parametrize("export", ["original (float16)", "w4a16-g128 compressed-tensors (float16)",
+                                    "w4a16-g128 gptq (float16)", "awq-w4-g128 compressed-tensors (float16)",
+                                    "awq-w4-g128 awq (float16)"])
+def test_vllm_gives_transformers_tokens_on_our_4_bit_exports(rows, export):
+    row = rows[export]
+    assert not isinstance(row, str), row
+    assert row["greedy_tokens_identical"], row
+    assert row["prompt_logprob_max_diff"] < 0.05, row
+
+
+def test_vllm_runs_our_w8a8_export_near_its_unquantized_activations(rows):
+    row = rows["w8a8-int8 compressed-tensors (bfloat16)"]
+    assert not isinstance(row, str), row
+    assert row["prompt_logprob_max_diff"] < 0.5, row  # vLLM quantizes activations per token; the reference does not
