@@ -184,8 +184,8 @@ class DecoderModel:
         """cos and sin of the step's positions, [tokens, 1, dim]; sin's first half negated, so that
         ``x * cos + roll(x, dim / 2) * sin`` is transformers' ``x * cos + rotate_half(x) * sin``."""
         freqs = positions[:, None].float() * self.inv_freq
-        return torch.cat((freqs, freqs), -1).cos().to(self.dtype)[:, None], \
-            torch.cat((-freqs.sin(), freqs.sin()), -1).to(self.dtype)[:, None]
+        sin = freqs.sin()
+        return torch.cat((freqs, freqs), -1).cos().to(self.dtype)[:, None], torch.cat((-sin, sin), -1).to(self.dtype)[:, None]
 
     def _qkv(self, layers: list[Linear], h: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries and keys, rotated, and values, [tokens, heads, dim]: with one fused product and
