@@ -9,6 +9,7 @@ import pytest
 
 from conftest import TINY
 from runner.engine.detokenizer import INCOMPLETE, Detokenizer
+from runner.engine.llm import LLM
 from runner.engine.sampling import SamplingParams
 from runner.engine.sequence import Sequence
 
@@ -44,7 +45,7 @@ def test_grown_text_is_the_whole_decode(tokenizer):
         assert seq.text == tokenizer.decode(ids, skip_special_tokens=True)
         for earlier, later in zip(texts, texts[1:]):
             assert later.startswith(earlier)
-        assert not any(t.endswith(INCOMPLETE) for t in texts[:-1] if t != texts[-1])
+        assert not any(t.endswith(INCOMPLETE) for t in texts[:-1])
 
 
 def test_half_a_character_waits_for_the_rest(tokenizer):
@@ -59,3 +60,12 @@ def test_half_a_character_waits_for_the_rest(tokenizer):
     seq.output_ids = ids
     detokenizer.update(seq)
     assert seq.text == "🚀"
+
+
+def test_a_stop_string_split_across_steps_is_found():
+    seq = Sequence(0, [1], SamplingParams(stop=["xyz", "never"]), None)
+    seq.text = "one two x"
+    assert not LLM._cut(seq, 0)
+    before, seq.text = len(seq.text), seq.text + "yz three"  # the step's new text completes "xyz"
+    assert LLM._cut(seq, before)
+    assert seq.text == "one two "
