@@ -20,6 +20,9 @@ class Scores:
     kld: float | None = None  # mean KL(original || variant) per token, nats
     top1: float | None = None  # share of positions where argmax agrees with the original
     tokens: int = 0
+    # per evaluation window, for paired intervals (evalsuite/paired.py): "nll" and "kld" summed
+    # over its tokens, "agree" (positions where the argmax is the original's), "tokens"
+    per_window: dict[str, list[float]] | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -31,13 +34,20 @@ class _Accumulator:
         self.kld = 0.0
         self.agree = 0
         self.count = 0
+        self.per_window: dict[str, list[float]] = {"nll": [], "kld": [], "agree": [], "tokens": []}
 
     def add(self, logp: torch.Tensor, targets: torch.Tensor, ref_logp: torch.Tensor | None) -> None:
-        self.nll -= logp.gather(-1, targets.unsqueeze(-1)).sum().item()
-        self.count += targets.numel()
+        nll = -logp.gather(-1, targets.unsqueeze(-1)).sum().item()
+        kld = agree = 0.0
         if ref_logp is not None:
-            self.kld += (ref_logp.exp() * (ref_logp - logp)).sum().item()
-            self.agree += (ref_logp.argmax(-1) == logp.argmax(-1)).sum().item()
+            kld = (ref_logp.exp() * (ref_logp - logp)).sum().item()
+            agree = (ref_logp.argmax(-1) == logp.argmax(-1)).sum().item()
+        self.nll += nll
+        self.kld += kld
+        self.agree += agree
+        self.count += targets.numel()
+        for key, value in (("nll", nll), ("kld", kld), ("agree", agree), ("tokens", targets.numel())):
+            self.per_window[key].append(value)
 
     def scores(self, compare: bool) -> Scores:
         n = max(self.count, 1)
@@ -46,6 +56,7 @@ class _Accumulator:
             kld=self.kld / n if compare else None,
             top1=self.agree / n if compare else None,
             tokens=self.count,
+            per_window=self.per_window,
         )
 
 

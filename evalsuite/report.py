@@ -13,6 +13,7 @@ from rich.text import Text
 
 from evalsuite.chart import size_fidelity_svg, speed_fidelity_svg
 from evalsuite.metrics import Scores
+from evalsuite.paired import accuracy_interval, score_intervals, spans_zero, task_comparison
 from formats.outputs import Outputs
 
 
@@ -31,11 +32,37 @@ class VariantRow:
     # measured on the recipe's speed workload (recipes/speed.py): {"runner", "concurrency",
     # "output_tokens_per_s", "ttft_ms", "tpot_ms"}, or {"runner": None, "note": why not}
     speed: dict | None = None
+    # per task: "correct" (each example right or wrong), "accuracy" and its 95% "interval"; for a
+    # variant also "delta" from the original's accuracy, its paired "delta_interval", and the
+    # examples that went "right_to_wrong" and "wrong_to_right" (evalsuite/paired.py)
+    tasks: dict[str, dict] = field(default_factory=dict)
+    # paired 95% intervals over the evaluation windows: "ppl_delta", "kld", "top1"
+    intervals: dict[str, list[float]] = field(default_factory=dict)
+    # False where every interval of a difference from the original spans zero: the evaluation
+    # cannot tell this variant from the original (None for the original itself)
+    distinguishable: bool | None = None
 
     def as_dict(self) -> dict:
         row = asdict(self)
         row.update(row.pop("scores"))
         return row
+
+
+def compare_with_original(rows: list[VariantRow], chance: dict[str, float]) -> None:
+    """Fill in every row's task accuracies and intervals, and each variant's flips, paired
+    intervals and verdict, against ``rows[0]``, the original."""
+    original = rows[0]
+    for row in rows:
+        for name, result in row.tasks.items():
+            correct = result["correct"]
+            result.update(accuracy=sum(correct) / len(correct), interval=accuracy_interval(correct), chance=chance.get(name))
+            if row is not original and name in original.tasks:
+                result.update(task_comparison(original.tasks[name]["correct"], correct))
+        if row is original:
+            continue
+        row.intervals = score_intervals(original.scores, row.scores)
+        differences = [row.intervals.get("ppl_delta", [])] + [t["delta_interval"] for t in row.tasks.values() if "delta_interval" in t]
+        row.distinguishable = None if not row.intervals else not all(spans_zero(i) for i in differences)
 
 
 @dataclass
@@ -86,6 +113,73 @@ def cells(row: VariantRow, timed: bool = False) -> list[str]:
     return out
 
 
+def verdict(row: VariantRow) -> str:
+    if row.distinguishable is None:
+        return "—"
+    return "differs" if row.distinguishable else "not distinguishable from the original"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _span(interval: list[float], fmt) -> str:
+    return f"[{fmt(interval[0])}, {fmt(interval[1])}]" if interval else "—"
+
+
+def significance_table(report: Report) -> tuple[list[str], list[list[str]]]:
+    """Each variant's paired 95% intervals against the original, and what they say."""
+    head = ["variant", "ΔPPL", "ΔPPL 95% interval", "KLD 95% interval", "top-1 95% interval", "verdict"]
+    rows = [[r.name, f"{r.ppl_delta:+.3f}", _span(r.intervals.get("ppl_delta", []), lambda x: f"{x:+.3f}"),
+             _span(r.intervals.get("kld", []), lambda x: f"{x:.5f}"), _span(r.intervals.get("top1", []), _pct), verdict(r)]
+            for r in report.rows[1:]]
+    return head, rows
+
+
+def task_names(report: Report) -> list[str]:
+    return list(report.rows[0].tasks) if report.rows else []
+
+
+def task_table(report: Report, task: str) -> tuple[list[str], list[list[str]]]:
+    """One task: every model's accuracy with its 95% interval, each variant's change with its
+    paired interval, and the answers it flipped."""
+    head = ["variant", "accuracy", "95% interval", "Δ accuracy", "Δ 95% interval", "right→wrong", "wrong→right"]
+    rows = []
+    for r in report.rows:
+        t = r.tasks.get(task)
+        if t is None:
+            continue
+        rows.append([r.name, _pct(t["accuracy"]), _span(t["interval"], _pct),
+                     f"{100 * t['delta']:+.1f}" if "delta" in t else "—",
+                     _span(t.get("delta_interval", []), lambda x: f"{100 * x:+.1f}"),
+                     str(len(t["right_to_wrong"])) if "right_to_wrong" in t else "—",
+                     str(len(t["wrong_to_right"])) if "wrong_to_right" in t else "—"])
+    return head, rows
+
+
+def _task_caption(report: Report, task: str) -> str:
+    t = report.rows[0].tasks[task]
+    chance = f", chance {_pct(t['chance'])}" if t.get("chance") else ""
+    return f"{task}: {len(t['correct'])} examples{chance}"
+
+
+def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _html_table(head: list[str], rows: list[list[str]]) -> str:
+    cells = "\n".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return ("<table>\n<thead><tr>" + "".join(f"<th>{escape(c)}</th>" for c in head) + "</tr></thead>\n<tbody>\n"
+            + cells + "\n</tbody>\n</table>")
+
+
+_SIGNIFICANCE_NOTE = ("Intervals: 95% paired bootstrap over the evaluation windows (tasks: over the examples), "
+                      "2,000 resamples, seed 0. A variant is not distinguishable from the original when the "
+                      "intervals of its perplexity change and of every task's accuracy change all include zero. "
+                      "right→wrong / wrong→right: answers the original got right and the variant wrong, and the "
+                      "reverse; accuracy can stay flat while many answers flip.")
+
+
 def markdown(report: Report) -> str:
     lines = [
         "# quantbench report",
@@ -103,6 +197,13 @@ def markdown(report: Report) -> str:
         "next-token distribution (nats per token). top-1: share of positions where the variant's most "
         "likely next token is the original's. bpw: bits per weight over all tensors.",
         *(_speed_notes(report) if _timed(report) else []),
+        *(["", "## Against the original", "", *_md_table(*significance_table(report))] if len(report.rows) > 1 else []),
+    ]
+    for task in task_names(report):
+        lines += ["", f"## Task: {_task_caption(report, task)}", "", *_md_table(*task_table(report, task))]
+    if len(report.rows) > 1:
+        lines += ["", _SIGNIFICANCE_NOTE]
+    lines += [
         "",
         "## Files",
         "",
@@ -155,6 +256,10 @@ def html(report: Report) -> str:
     head = "".join(f"<th>{escape(c)}</th>" for c in columns(report))
     speed = f"<h2>Speed against fidelity</h2>\n{speed_fidelity_svg(report.rows)}\n" if timed else ""
     files = "\n".join(f"<li><code>{escape(f['path'])}</code> ({f['bytes'] / 1e6:.2f} MB)</li>" for r in report.rows for f in r.files)
+    against = (f"<h2>Against the original</h2>\n{_html_table(*significance_table(report))}\n" if len(report.rows) > 1 else "")
+    against += "".join(f"<h2>Task: {escape(_task_caption(report, t))}</h2>\n{_html_table(*task_table(report, t))}\n"
+                       for t in task_names(report))
+    against += f"<p>{escape(_SIGNIFICANCE_NOTE)}</p>\n" if len(report.rows) > 1 else ""
     return f"""<!DOCTYPE html>
 <html xmlns="http://www.w3.org/1999/xhtml" lang="en">
 <head>
@@ -183,7 +288,7 @@ next-token distribution (nats per token). top-1: share of positions where the va
 next token is the original's. bpw: bits per weight over all tensors.</p>
 <h2>Size against fidelity</h2>
 {size_fidelity_svg(report.rows)}
-{speed}<h2>Files</h2>
+{speed}{against}<h2>Files</h2>
 <ul>
 {files}
 </ul>

@@ -20,7 +20,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from calib.text import sample_windows, token_windows
 from evalsuite.metrics import causal_lm_logprobs, score
-from evalsuite.report import Report, VariantRow, write_report
+from evalsuite.report import Report, VariantRow, compare_with_original, write_report
+from evalsuite.tasks import Task, load_task, run_task
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
 from formats.outputs import Outputs, check_output_path, folder_lock
 from quant.activations import simulated_activations
@@ -37,6 +38,7 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
     check_output_path(out_dir, folder=True)
     ckpt = HFCheckpoint.open(recipe.model)
     check_against_model(recipe, ckpt.arch)
+    tasks = [load_task(Path(t.task), t.name, t.limit, t.num_fewshot) for t in recipe.evaluation.tasks]
     for v in recipe.variants:  # fails fast on any mismatch with the model, and on any path it cannot write
         plan_variant(ckpt, v, getattr(v.weights, "imatrix", False))
         for export, path in export_paths(ckpt, v, out_dir).items():
@@ -45,10 +47,10 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
         if killed:
             console.print(f"{out_dir}: taking over from a job that did not finish (pid {killed['pid']} on {killed['host']}, "
                           f"since {killed['since']}); its partial files are removed", markup=False, highlight=False)
-        return _run(recipe, ckpt, out_dir, console)
+        return _run(recipe, ckpt, tasks, out_dir, console)
 
 
-def _run(recipe: Recipe, ckpt: HFCheckpoint, out_dir: Path, console: Console) -> Report:
+def _run(recipe: Recipe, ckpt: HFCheckpoint, tasks: list[Task], out_dir: Path, console: Console) -> Report:
     tokenizer = load_tokenizer(ckpt)
     ev = recipe.evaluation
     windows = token_windows(tokenizer, ev.text, ev.window, ev.max_windows)
@@ -76,9 +78,10 @@ def _run(recipe: Recipe, ckpt: HFCheckpoint, out_dir: Path, console: Console) ->
             start = time.perf_counter()
             scores = _tracked(progress, "original: evaluate", len(windows),
                               lambda tick: score(reference, windows, on_window=tick))
+            answers = _tasks(progress, "original", reference, tokenizer, ckpt, tasks)
             bits = _bits_of_source(ckpt)
             original = VariantRow("original", f"source ({_dtype_label(ckpt)})", bits, _size_mb(ckpt, bits), scores,
-                                  seconds=time.perf_counter() - start,
+                                  seconds=time.perf_counter() - start, tasks=answers,
                                   speed=_speed(progress, recipe, ckpt, None, [], tokenizer))
         rows = [original]
         for variant in recipe.variants:
@@ -100,22 +103,38 @@ def _run(recipe: Recipe, ckpt: HFCheckpoint, out_dir: Path, console: Console) ->
                 with _activations(model, ckpt, variant), _kv_cache(model, ckpt, variant):
                     scores = _tracked(progress, f"{variant.name}: evaluate", len(windows),
                                       lambda tick: score(causal_lm_logprobs(model), windows, reference, on_window=tick))
+                    answers = _tasks(progress, variant.name, causal_lm_logprobs(model), tokenizer, ckpt, tasks)
                 del model
                 outputs.commit()
             row = VariantRow(
                 variant.name, _describe(variant), bits, _size_mb(ckpt, bits), scores,
                 ppl_delta=scores.ppl - original.scores.ppl, seconds=time.perf_counter() - start,
-                files=[_file_entry(f, out_dir) for f in files], input_statistics=statistics,
+                files=[_file_entry(f, out_dir) for f in files], input_statistics=statistics, tasks=answers,
                 speed=_speed(progress, recipe, ckpt, variant, files, tokenizer),
             )
             record(done, keys.variant(variant), row)
             rows.append(row)
 
+    compare_with_original(rows, {t.name: t.chance for t in tasks})
     report = Report(model=str(recipe.model), eval_text=str(ev.text), windows=windows.shape[0],
                     window=windows.shape[1], rows=rows)
     write_report(report, out_dir)
     record(out_dir / ORIGINAL, keys.original(), original)
     return report
+
+
+def _tasks(progress: Progress, who: str, logprobs, tokenizer, ckpt: HFCheckpoint, tasks: list[Task]) -> dict[str, dict]:
+    """Each task's answers, right or wrong, example by example."""
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    answers = {}
+    for task in tasks:
+        label = progress.add_task(f"{who}: {task.name}", total=None)
+        try:
+            answers[task.name] = {"correct": run_task(logprobs, tokenizer, task, ckpt.arch.max_context or 2048,
+                                                      ckpt.arch.vocab, bos)}
+        finally:
+            progress.remove_task(label)
+    return answers
 
 
 def _speed(progress: Progress, recipe: Recipe, ckpt: HFCheckpoint, variant: Variant | None, files: list[Path],

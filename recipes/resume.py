@@ -35,7 +35,9 @@ class Keys:
         self._evaluation = {
             "quantbench": _source_digest(),
             "model": {"config": ckpt.config, "files": _folder_stat(ckpt.path)},
-            "evaluation": {"text": _sha256(ev.text), "window": ev.window, "max_windows": ev.max_windows},
+            "evaluation": {"text": _sha256(ev.text), "window": ev.window, "max_windows": ev.max_windows,
+                           "tasks": [{"file": _sha256(Path(t.task)), "limit": t.limit, "num_fewshot": t.num_fewshot}
+                                     for t in ev.tasks]},
             "speed": recipe.speed.model_dump() if recipe.speed else None,
         }
         cal = recipe.calibration
@@ -60,7 +62,7 @@ def finished(path: Path, key: str, out_dir: Path) -> VariantRow | None:
         if record["key"] != key:
             return None
         row = record["row"]
-        scores = Scores(**{k: row.pop(k) for k in ("ppl", "kld", "top1", "tokens")})
+        scores = Scores(**{k: row.pop(k) for k in ("ppl", "kld", "top1", "tokens", "per_window")})
         row = VariantRow(scores=scores, **row)
     except (OSError, ValueError, KeyError, TypeError):
         return None

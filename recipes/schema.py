@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Callable, Literal, Union
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from formats.awq import AWQWriter
@@ -273,10 +273,48 @@ class Variant(_Strict):
         return self
 
 
+BUNDLED_TASKS = Path(__file__).parent / "bundled" / "tasks"  # name.jsonl: the tasks shipped with quantbench
+
+
+class TaskSpec(_Strict):
+    """One task of the report: a bundled task's name (``persuasion_cloze``, ``persuasion_order``)
+    or a path to a task file (.jsonl, evalsuite/tasks.py), its first ``limit`` examples."""
+
+    task: str = Field(min_length=1)
+    limit: int | None = Field(default=None, ge=1)
+    num_fewshot: int = Field(default=0, ge=0, le=64)
+
+    @property
+    def name(self) -> str:
+        return Path(self.task).stem
+
+    def path(self, base: Path) -> Path:
+        bundled = BUNDLED_TASKS / f"{self.task}.jsonl"
+        return bundled if bundled.is_file() else base / self.task
+
+
+def _task_spec(value: object) -> object:
+    return {"task": value} if isinstance(value, str) else value
+
+
+def _unique(kind: str, items: list):
+    names = [item.name for item in items]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"{kind} names must be unique, repeated: {', '.join(dupes)}")
+    return items
+
+
 class Evaluation(_Strict):
     text: FilePath
     window: int = Field(default=512, ge=16, le=32768)
     max_windows: int | None = Field(default=None, ge=1)
+    tasks: list[Annotated[TaskSpec, BeforeValidator(_task_spec)]] = []
+
+    @field_validator("tasks")
+    @classmethod
+    def _unique_tasks(cls, tasks: list[TaskSpec]) -> list[TaskSpec]:
+        return _unique("task", tasks)
 
 
 class Calibration(_Strict):
@@ -315,11 +353,7 @@ class Recipe(_Strict):
     @field_validator("variants")
     @classmethod
     def _unique_names(cls, variants: list[Variant]) -> list[Variant]:
-        names = [v.name for v in variants]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"variant names must be unique, repeated: {', '.join(dupes)}")
-        return variants
+        return _unique("variant", variants)
 
 
 def check_against_model(recipe: Recipe, arch: Architecture) -> None:
@@ -361,7 +395,9 @@ def load_recipe(path: Path) -> Recipe:
     return recipe.model_copy(
         update={
             "model": base / recipe.model,
-            "evaluation": recipe.evaluation.model_copy(update={"text": base / recipe.evaluation.text}),
+            "evaluation": recipe.evaluation.model_copy(update={
+                "text": base / recipe.evaluation.text,
+                "tasks": [t.model_copy(update={"task": str(t.path(base))}) for t in recipe.evaluation.tasks]}),
             "calibration": recipe.calibration.model_copy(update={"text": base / recipe.calibration.text})
             if recipe.calibration else None,
             "output": base / recipe.output if recipe.output else None,

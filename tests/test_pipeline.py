@@ -236,7 +236,7 @@ def test_html_report_holds_the_table_and_a_point_per_variant(small_run):
     assert page.startswith("<!DOCTYPE html>")
     root = ET.fromstring(page.split("\n", 1)[1])  # well-formed: tools can read it
     ns = {"h": "http://www.w3.org/1999/xhtml", "s": "http://www.w3.org/2000/svg"}
-    rows = root.findall(".//h:tbody/h:tr", ns)
+    rows = root.find(".//h:table", ns).findall("h:tbody/h:tr", ns)  # the first table: one row per model
     assert [r.find("h:td", ns).text for r in rows] == [v["name"] for v in report["variants"]]
     compared = [v for v in report["variants"] if v["kld"] is not None]
     circles = root.findall(".//s:svg/s:circle", ns)

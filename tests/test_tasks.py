@@ -1,0 +1,121 @@
+"""Task accuracy, flips and paired intervals: the bundled tasks on the bundled model, end to end."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import TINY, write_recipe
+from evalsuite.loglikelihood import continuation_logprobs, encode_pair
+from evalsuite.metrics import causal_lm_logprobs
+from evalsuite.paired import task_comparison
+from evalsuite.tasks import load_task, run_task
+from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
+from quant.types import InputError
+from recipes.schema import BUNDLED_TASKS
+
+TASK_RECIPE = {
+    "model": str(TINY),
+    "evaluation": {"text": str(TINY.parent / "eval.txt"), "window": 256, "max_windows": 8,
+                   "tasks": [{"task": "persuasion_cloze", "limit": 120}, {"task": "persuasion_order", "limit": 120}]},
+    "variants": [
+        {"name": "int8", "weights": {"method": "rtn", "bits": 8, "granularity": "channel"}},
+        {"name": "int2-g32", "weights": {"method": "rtn", "bits": 2, "granularity": "group", "group_size": 32}},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def task_run(tmp_path_factory) -> dict:
+    """The report's rows by variant name, and the run's folder under "out"."""
+    from rich.console import Console
+
+    from recipes.pipeline import run_recipe
+    from recipes.schema import load_recipe
+
+    folder = tmp_path_factory.mktemp("task_run")
+    run_recipe(load_recipe(write_recipe(folder, TASK_RECIPE)), folder / "out", Console(quiet=True))
+    rows = {r["name"]: r for r in json.loads((folder / "out" / "report.json").read_text())["variants"]}
+    return dict(rows, out=folder / "out")
+
+
+def test_the_original_scores_well_above_chance_on_every_bundled_task(task_run):
+    tasks = task_run["original"]["tasks"]
+    assert set(tasks) == {"persuasion_cloze", "persuasion_order"}
+    assert tasks["persuasion_order"]["chance"] == 0.25 and tasks["persuasion_order"]["accuracy"] > 0.75
+    assert tasks["persuasion_cloze"]["chance"] == 0.0 and tasks["persuasion_cloze"]["accuracy"] > 0.1
+    for t in tasks.values():
+        lo, hi = t["interval"]
+        assert lo < t["accuracy"] < hi and len(t["correct"]) == 120
+
+
+def test_a_variant_within_noise_is_labelled_so_and_a_damaged_one_flips_answers(task_run):
+    close, far = task_run["int8"], task_run["int2-g32"]
+    assert close["distinguishable"] is False
+    lo, hi = close["intervals"]["ppl_delta"]
+    assert lo <= 0 <= hi
+    assert far["distinguishable"] is True
+    assert far["intervals"]["ppl_delta"][0] > 0 and far["intervals"]["kld"][0] > 10 * close["intervals"]["kld"][1]
+    flips = sum(len(t["right_to_wrong"]) + len(t["wrong_to_right"]) for t in far["tasks"].values())
+    assert flips > sum(len(t["right_to_wrong"]) + len(t["wrong_to_right"]) for t in close["tasks"].values())
+    assert far["tasks"]["persuasion_order"]["delta_interval"][1] < 0  # 2-bit loses the word-order task for sure
+    for name, t in far["tasks"].items():  # the flips are the changes in the answers, example by example
+        orig = task_run["original"]["tasks"][name]
+        pairs = list(zip(orig["correct"], t["correct"]))
+        assert t["right_to_wrong"] == [i for i, (o, v) in enumerate(pairs) if o and not v]
+        assert t["wrong_to_right"] == [i for i, (o, v) in enumerate(pairs) if v and not o]
+        assert t["delta"] == pytest.approx(t["accuracy"] - orig["accuracy"])
+
+
+def test_the_report_shows_intervals_flips_and_the_verdict(task_run):
+    text = (task_run["out"] / "report.md").read_text()
+    assert "## Against the original" in text and "| int8 |" in text
+    assert "not distinguishable from the original" in text
+    assert "## Task: persuasion_order: 120 examples, chance 25.0%" in text
+
+
+def test_task_scores_match_transformers_logits_directly():
+    """The batched, padded scorer against one unpadded forward per request."""
+    ckpt = HFCheckpoint.open(TINY)
+    model, tok = load_causal_lm(ckpt), load_tokenizer(ckpt)
+    task = load_task(BUNDLED_TASKS / "persuasion_order.jsonl", limit=3)
+    requests = [encode_pair(tok, e["context"], c, 0) for e in task.examples for c in e["choices"]]
+    got = continuation_logprobs(causal_lm_logprobs(model), requests, 2048, ckpt.arch.vocab)
+    for (ctx, cont), (lp, greedy) in zip(requests, got):
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([ctx + cont])).logits[0, len(ctx) - 1:-1].float()
+        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(cont)[:, None]).sum().item()
+        assert lp == pytest.approx(want, abs=1e-4)
+        assert greedy == bool((logits.argmax(-1) == torch.tensor(cont)).all())
+    assert run_task(causal_lm_logprobs(model), tok, task, 2048, ckpt.arch.vocab, 0) == [
+        max(range(4), key=lambda j: got[4 * i + j][0]) == e["gold"] for i, e in enumerate(task.examples)]
+
+
+def test_paired_comparison_counts_flips_both_ways():
+    got = task_comparison([True, True, False, False, True], [True, False, True, False, True])
+    assert got["right_to_wrong"] == [1] and got["wrong_to_right"] == [2] and got["delta"] == 0.0
+    lo, hi = got["delta_interval"]
+    assert lo < 0 < hi
+
+
+@pytest.mark.parametrize("line, message", [
+    ("not json", "line 2: not JSON"),
+    ('{"context": "a", "choices": ["x", "y"], "gold": 2}', "line 2: 'gold' must be the index"),
+    ('{"context": "a"}', "line 2: an example needs 'choices' and 'gold', or a non-empty 'target'"),
+])
+def test_a_bad_task_file_names_its_line(tmp_path, line, message):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"context": "a", "target": " b"}\n' + line + "\n")
+    with pytest.raises(InputError, match=message):
+        load_task(path)
+
+
+def test_a_missing_task_fails_the_recipe_in_one_line(tmp_path):
+    recipe = dict(TASK_RECIPE, evaluation=dict(TASK_RECIPE["evaluation"], tasks=["no_such_task"]))
+    path = write_recipe(tmp_path, recipe)
+    run = subprocess.run([sys.executable, "-m", "recipes.cli", str(path)], capture_output=True, text=True)
+    assert run.returncode != 0
+    assert "no_such_task" in run.stderr and "cannot read task file" in run.stderr and "Traceback" not in run.stderr
+    assert not (tmp_path / "runs").exists()
