@@ -26,10 +26,12 @@ demo: $(VENV)/.core
 
 # GPTQModel, the loader the GPTQ export tests read our files back with, pins numpy, and vLLM's CPU
 # build, which the interop test serves our exports with, pins transformers: each lives in its own
-# venv (.anchors/NAME; quick when it is already there).
+# venv (.anchors/NAME; quick when it is already there). Debian's chromium is the browser the report
+# page is checked in (tests/test_report_browser.py; apt-get, only when /usr/bin/chromium is missing).
 test: $(VENV)/.test
 	bash bench/anchors/setup.sh gptqmodel
 	bash bench/anchors/setup.sh vllm
+	bash bench/anchors/setup.sh chromium
 	$(BIN)/python -m pytest tests
 
 clean:

@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from evalsuite.chart import size_fidelity_svg, speed_fidelity_svg
+from evalsuite.chart import size_fidelity_svg, speed_fidelity_svg, task_accuracy_svg
 from evalsuite.metrics import Scores
 from evalsuite.paired import accuracy_interval, score_intervals, spans_zero, task_comparison
 from formats.outputs import Outputs
@@ -72,11 +72,13 @@ class Report:
     windows: int
     window: int
     rows: list[VariantRow]
+    recommendation: dict | None = None  # evalsuite/recommend.py: recommend()
 
     def as_dict(self) -> dict:
         return {
             "model": self.model,
             "evaluation": {"text": self.eval_text, "windows": self.windows, "window": self.window},
+            "recommendation": self.recommendation,
             "variants": [r.as_dict() for r in self.rows],
         }
 
@@ -180,6 +182,20 @@ _SIGNIFICANCE_NOTE = ("Intervals: 95% paired bootstrap over the evaluation windo
                       "reverse; accuracy can stay flat while many answers flip.")
 
 
+def recommendation_lines(report: Report) -> list[str]:
+    """The answer first: which variant to ship and why, or what each variant misses."""
+    rec = report.recommendation
+    if not rec:
+        return []
+    lines = [(f"Ship {rec['variant']}. " if rec["variant"] else "") + rec["reason"]]
+    if rec["budget"] is not None and rec["misses"]:
+        lines += [f"{name} misses: {'; '.join(m)}." for name, m in rec["misses"].items()]
+    if rec["pareto"]:
+        lines.append("Pareto front of size against KLD (no other variant is both smaller and closer to the "
+                     f"original): {', '.join(rec['pareto'])}.")
+    return lines
+
+
 def markdown(report: Report) -> str:
     lines = [
         "# quantbench report",
@@ -187,6 +203,8 @@ def markdown(report: Report) -> str:
         f"Model: `{report.model}`  ",
         f"Evaluation: `{report.eval_text}`, {report.windows} windows of {report.window} tokens",
         "",
+        *(["## Recommendation", "", *(f"- {line}" for line in recommendation_lines(report)), ""]
+          if report.recommendation else []),
         "| " + " | ".join(columns(report)) + " |",
         "|" + "---|" * len(columns(report)),
     ]
@@ -254,11 +272,13 @@ def html(report: Report) -> str:
     timed = _timed(report)
     rows = "\n".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in cells(r, timed)) + "</tr>" for r in report.rows)
     head = "".join(f"<th>{escape(c)}</th>" for c in columns(report))
-    speed = f"<h2>Speed against fidelity</h2>\n{speed_fidelity_svg(report.rows)}\n" if timed else ""
     files = "\n".join(f"<li><code>{escape(f['path'])}</code> ({f['bytes'] / 1e6:.2f} MB)</li>" for r in report.rows for f in r.files)
     against = (f"<h2>Against the original</h2>\n{_html_table(*significance_table(report))}\n" if len(report.rows) > 1 else "")
     against += "".join(f"<h2>Task: {escape(_task_caption(report, t))}</h2>\n{_html_table(*task_table(report, t))}\n"
-                       for t in task_names(report))
+                       f"{_task_chart(report, t)}\n" for t in task_names(report))
+    advice = "".join(f"<li>{escape(line)}</li>" for line in recommendation_lines(report))
+    advice = f'<h2>Recommendation</h2>\n<ul class="recommendation">{advice}</ul>\n' if advice else ""
+    pareto = frozenset(report.recommendation["pareto"]) if report.recommendation else frozenset()
     against += f"<p>{escape(_SIGNIFICANCE_NOTE)}</p>\n" if len(report.rows) > 1 else ""
     return f"""<!DOCTYPE html>
 <html xmlns="http://www.w3.org/1999/xhtml" lang="en">
@@ -277,7 +297,7 @@ svg text {{ font-size: 12px; fill: #222; }}
 <h1>quantbench report</h1>
 <p>Model: <code>{escape(report.model)}</code>. Evaluation: <code>{escape(report.eval_text)}</code>,
 {report.windows} windows of {report.window} tokens.</p>
-<table>
+{advice}<table>
 <thead><tr>{head}</tr></thead>
 <tbody>
 {rows}
@@ -287,14 +307,25 @@ svg text {{ font-size: 12px; fill: #222; }}
 next-token distribution (nats per token). top-1: share of positions where the variant's most likely
 next token is the original's. bpw: bits per weight over all tensors.</p>
 <h2>Size against fidelity</h2>
-{size_fidelity_svg(report.rows)}
-{speed}{against}<h2>Files</h2>
+{size_fidelity_svg(report.rows, pareto)}
+{_speed_chart(report)}{against}<h2>Files</h2>
 <ul>
 {files}
 </ul>
 </body>
 </html>
 """
+
+
+def _speed_chart(report: Report) -> str:
+    if not _timed(report):
+        return ""
+    return f"<h2>Speed against fidelity</h2>\n{speed_fidelity_svg(report.rows)}\n"
+
+
+def _task_chart(report: Report, task: str) -> str:
+    points = [(r.name, t["accuracy"], *t["interval"]) for r in report.rows if (t := r.tasks.get(task))]
+    return task_accuracy_svg(task, points, report.rows[0].tasks[task].get("chance") or None)
 
 
 def table(report: Report) -> Table:

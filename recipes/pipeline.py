@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from calib.text import sample_windows, token_windows
 from evalsuite.metrics import causal_lm_logprobs, score
 from evalsuite.report import Report, VariantRow, compare_with_original, write_report
+from evalsuite.recommend import Budget, recommend
 from evalsuite.tasks import Task, load_task, run_task
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
 from formats.outputs import Outputs, check_output_path, folder_lock
@@ -116,8 +117,9 @@ def _run(recipe: Recipe, ckpt: HFCheckpoint, tasks: list[Task], out_dir: Path, c
             rows.append(row)
 
     compare_with_original(rows, {t.name: t.chance for t in tasks})
+    budget = Budget(**recipe.budget.model_dump()) if recipe.budget else None
     report = Report(model=str(recipe.model), eval_text=str(ev.text), windows=windows.shape[0],
-                    window=windows.shape[1], rows=rows)
+                    window=windows.shape[1], rows=rows, recommendation=recommend(rows, budget, recipe.goal))
     write_report(report, out_dir)
     record(out_dir / ORIGINAL, keys.original(), original)
     return report

@@ -335,6 +335,30 @@ class Speed(_Strict):
     output_tokens: list[Annotated[int, Field(ge=1)]] = Field(default=[16, 64, 128, 256], min_length=1)
 
 
+def _fraction(value: object) -> object:
+    """``2%`` as 0.02; plain numbers as they are."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            return float(value.strip()[:-1]) / 100
+        except ValueError:
+            raise ValueError(f"'{value}' is not a percentage") from None
+    return value
+
+
+Fraction = Annotated[float, BeforeValidator(_fraction), Field(ge=0)]
+
+
+class Budget(_Strict):
+    """The quality a customer accepts (evalsuite/recommend.py): ``kld`` in nats per token, ``top1``
+    agreement, ``ppl_increase`` relative to the original's perplexity, ``task_drop`` in accuracy
+    points on any task; fractions or percentages (``2%``)."""
+
+    kld: float | None = Field(default=None, ge=0)
+    top1: Fraction | None = Field(default=None, le=1)
+    ppl_increase: Fraction | None = None
+    task_drop: Fraction | None = Field(default=None, le=1)
+
+
 class Recipe(_Strict):
     model: FilePath
     evaluation: Evaluation
@@ -342,12 +366,22 @@ class Recipe(_Strict):
     variants: list[Variant] = Field(min_length=1)
     output: FilePath | None = None
     speed: Speed | None = None
+    budget: Budget | None = None
+    goal: Literal["smallest", "fastest"] = "smallest"  # which variant within the budget to recommend
 
     @model_validator(mode="after")
     def _calibrated_variants_need_calibration(self) -> "Recipe":
         needing = [v.name for v in self.variants if v.needs_calibration]
         if needing and self.calibration is None:
             raise ValueError(f"variant '{needing[0]}' is fitted on calibration text: add 'calibration: {{text: ...}}'")
+        return self
+
+    @model_validator(mode="after")
+    def _fastest_needs_speed(self) -> "Recipe":
+        if self.goal == "fastest" and self.speed is None:
+            raise ValueError("goal 'fastest' needs measured speed: add 'speed: {}'")
+        if self.budget is not None and self.budget.task_drop is not None and not self.evaluation.tasks:
+            raise ValueError("budget.task_drop needs tasks: add 'evaluation.tasks'")
         return self
 
     @field_validator("variants")

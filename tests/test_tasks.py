@@ -1,6 +1,7 @@
 """Task accuracy, flips and paired intervals: the bundled tasks on the bundled model, end to end."""
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -24,6 +25,7 @@ TASK_RECIPE = {
         {"name": "int8", "weights": {"method": "rtn", "bits": 8, "granularity": "channel"}},
         {"name": "int2-g32", "weights": {"method": "rtn", "bits": 2, "granularity": "group", "group_size": 32}},
     ],
+    "budget": {"kld": 0.01, "task_drop": "2%"},
 }
 
 
@@ -74,6 +76,8 @@ def test_the_report_shows_intervals_flips_and_the_verdict(task_run):
     assert "## Against the original" in text and "| int8 |" in text
     assert "not distinguishable from the original" in text
     assert "## Task: persuasion_order: 120 examples, chance 25.0%" in text
+    assert "## Recommendation\n\n- Ship int8. int8 is the smallest variant within the budget" in text
+    assert "- int2-g32 misses: KLD " in text
 
 
 def test_task_scores_match_transformers_logits_directly():
@@ -119,3 +123,19 @@ def test_a_missing_task_fails_the_recipe_in_one_line(tmp_path):
     assert run.returncode != 0
     assert "no_such_task" in run.stderr and "cannot read task file" in run.stderr and "Traceback" not in run.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_real_report_reads_in_a_browser(task_run):
+    """The run's report.html in headless chromium: clean console, self-contained, one mark per
+    variant on the size chart and per model on each task chart; the screenshot is kept."""
+    from browser import check_page, overlaps
+
+    results = Path(__file__).parent.parent / "test-results"
+    results.mkdir(exist_ok=True)
+    page = check_page(task_run["out"] / "report.html", results / "report-tasks.png")
+    assert page.console_errors == [] and page.page_errors == [] and page.failed_requests == []
+    assert sorted(page.chart("size-kld").variants) == ["int2-g32", "int8"]
+    for task in ("persuasion_cloze", "persuasion_order"):
+        assert sorted(page.chart("task-accuracy", task=task).variants) == ["int2-g32", "int8", "original"]
+    assert overlaps(page.chart("size-kld")) == []
+    assert (results / "report-tasks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

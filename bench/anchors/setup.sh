@@ -2,9 +2,10 @@
 # Create the isolated virtualenv of one "anchor" (a third-party quantizer that
 # bench/ptq_table.py runs as a subprocess to compare against our own methods).
 #
-#   bench/anchors/setup.sh NAME        # NAME: gptqmodel | llmcompressor | vllm | llama-server
+#   bench/anchors/setup.sh NAME        # NAME: gptqmodel | llmcompressor | vllm | llama-server | chromium
 #
-# (vllm and llama-server are the engines bench/runner_speed.py times ours against.)
+# (vllm and llama-server are the engines bench/runner_speed.py times ours against; chromium is
+# Debian's browser, which tests/test_report_browser.py opens the report page in.)
 # The venv lands in .anchors/NAME (gitignored) at the repo root.  Re-running is
 # cheap: an anchor whose venv already imports its pinned versions is skipped.
 # Set ANCHOR_FORCE=1 to rebuild it from scratch, PYTHON to choose the interpreter.
@@ -14,7 +15,7 @@
 # not uv (uv does not see the local CPU wheel).
 set -euo pipefail
 
-usage() { echo "usage: $0 NAME   (NAME: gptqmodel | llmcompressor | vllm | llama-server)" >&2; exit 2; }
+usage() { echo "usage: $0 NAME   (NAME: gptqmodel | llmcompressor | vllm | llama-server | chromium)" >&2; exit 2; }
 [ $# -eq 1 ] || usage
 NAME=$1
 
@@ -134,6 +135,24 @@ from vllm import LLM, SamplingParams'
         cp "$VENV/build/bin/llama-server" "$BIN"
         "$BIN" --version >/dev/null 2>&1 || { echo "setup.sh: llama-server built but does not run" >&2; exit 1; }
         echo "anchor llama-server: ready in $BIN"
+        exit 0
+        ;;
+    chromium)
+        # Debian's chromium, for the headless-browser check of the report page (Playwright drives
+        # it through executable_path; `playwright install` is never run: no browser downloads).
+        # A system package, not a venv: nothing lands in .anchors/. apt-get needs root (or sudo).
+        BIN=/usr/bin/chromium
+        if [ "${ANCHOR_FORCE:-0}" != 1 ] && [ -x "$BIN" ]; then
+            echo "anchor chromium: $BIN already installed"
+            exit 0
+        fi
+        SUDO=""
+        [ "$(id -u)" -eq 0 ] || SUDO=sudo
+        $SUDO apt-get update
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y chromium
+        "$BIN" --headless --no-sandbox --disable-gpu --version >/dev/null 2>&1 \
+            || { echo "setup.sh: chromium installed but $BIN does not run" >&2; exit 1; }
+        echo "anchor chromium: ready in $BIN"
         exit 0
         ;;
     *)
