@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from evalsuite.chart import size_fidelity_svg, speed_fidelity_svg, task_accuracy_svg
+from evalsuite.chart import heatmap_svg, size_fidelity_svg, speed_fidelity_svg, task_accuracy_svg
 from evalsuite.metrics import Scores
 from evalsuite.paired import accuracy_interval, score_intervals, spans_zero, task_comparison
 from formats.outputs import Outputs
@@ -36,6 +36,10 @@ class VariantRow:
     # variant also "delta" from the original's accuracy, its paired "delta_interval", and the
     # examples that went "right_to_wrong" and "wrong_to_right" (evalsuite/paired.py)
     tasks: dict[str, dict] = field(default_factory=dict)
+    # per decoder Linear, how much quantization changed it, measured as ``error_measure`` says
+    # (quant/error.py); empty where it could not be measured one to one (AWQ, SmoothQuant)
+    linear_errors: dict[str, float] = field(default_factory=dict)
+    error_measure: str | None = None
     # paired 95% intervals over the evaluation windows: "ppl_delta", "kld", "top1"
     intervals: dict[str, list[float]] = field(default_factory=dict)
     # False where every interval of a difference from the original spans zero: the evaluation
@@ -196,6 +200,23 @@ def recommendation_lines(report: Report) -> list[str]:
     return lines
 
 
+_WORST_LINEARS = 5
+
+
+def worst_linears_table(report: Report) -> tuple[list[str], list[list[str]]]:
+    """Per variant, the Linears quantization changed most: where a mixed-precision fix would go."""
+    head = ["variant", "measure", f"worst {_WORST_LINEARS} Linears", "median"]
+    rows = []
+    for r in report.rows:
+        if not r.linear_errors:
+            continue
+        ranked = sorted(r.linear_errors.items(), key=lambda kv: -kv[1])
+        median = sorted(r.linear_errors.values())[len(ranked) // 2]
+        rows.append([r.name, r.error_measure or "", ", ".join(f"{n.removeprefix('model.')} {e:.3f}" for n, e in ranked[:_WORST_LINEARS]),
+                     f"{median:.3f}"])
+    return head, rows
+
+
 def markdown(report: Report) -> str:
     lines = [
         "# quantbench report",
@@ -221,6 +242,9 @@ def markdown(report: Report) -> str:
         lines += ["", f"## Task: {_task_caption(report, task)}", "", *_md_table(*task_table(report, task))]
     if len(report.rows) > 1:
         lines += ["", _SIGNIFICANCE_NOTE]
+    hurts = worst_linears_table(report)
+    if hurts[1]:
+        lines += ["", "## Where it hurts", "", *_md_table(*hurts)]
     lines += [
         "",
         "## Files",
@@ -276,6 +300,10 @@ def html(report: Report) -> str:
     against = (f"<h2>Against the original</h2>\n{_html_table(*significance_table(report))}\n" if len(report.rows) > 1 else "")
     against += "".join(f"<h2>Task: {escape(_task_caption(report, t))}</h2>\n{_html_table(*task_table(report, t))}\n"
                        f"{_task_chart(report, t)}\n" for t in task_names(report))
+    hurts = worst_linears_table(report)
+    if hurts[1]:
+        maps = "\n".join(heatmap_svg(r.name, r.linear_errors, r.error_measure or "") for r in report.rows if r.linear_errors)
+        against += f"<h2>Where it hurts</h2>\n{_html_table(*hurts)}\n<div class=\"heatmaps\">\n{maps}\n</div>\n"
     advice = "".join(f"<li>{escape(line)}</li>" for line in recommendation_lines(report))
     advice = f'<h2>Recommendation</h2>\n<ul class="recommendation">{advice}</ul>\n' if advice else ""
     pareto = frozenset(report.recommendation["pareto"]) if report.recommendation else frozenset()
@@ -291,6 +319,7 @@ table {{ border-collapse: collapse; }}
 th, td {{ border: 1px solid #ccc; padding: 4px 8px; text-align: right; }}
 th:nth-child(-n+2), td:nth-child(-n+2) {{ text-align: left; }}
 svg text {{ font-size: 12px; fill: #222; }}
+.heatmaps {{ display: flex; flex-wrap: wrap; gap: 1em; }}
 </style>
 </head>
 <body>

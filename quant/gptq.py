@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quant.error import relative_error
 from quant.rtn import fit_grid, grid_values, round_to_grid
 from quant.types import InputError, QuantizedTensor, QuantSpec
 
@@ -43,6 +44,7 @@ class GPTQResult:
     tensor: QuantizedTensor
     loss: float  # Σ err² / [H⁻¹]_jj / 2: the layer-output error GPTQ minimised, for the report
     damp: float  # the damping that made H positive definite
+    output_error: float | None = None  # quant/error.py: ‖ΔW X‖ / ‖W X‖ on the calibration inputs
 
 
 def gptq_quantize(
@@ -122,7 +124,7 @@ def gptq_quantize(
         zeros=zero_t.contiguous(),
         group_index=None if contiguous else group_index.to(torch.int32),
     )
-    return GPTQResult(tensor, float(loss), damp)
+    return GPTQResult(tensor, float(loss), damp, relative_error(weight, tensor.dequantize(), hessian))
 
 
 def _inverse_hessian_factor(H: torch.Tensor, damp: float, name: str) -> tuple[torch.Tensor, float]:

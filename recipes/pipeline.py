@@ -100,6 +100,7 @@ def _run(recipe: Recipe, ckpt: HFCheckpoint, tasks: list[Task], out_dir: Path, c
                                       outputs=outputs)
                 model = model_from_state(reference_model.config, built.state)
                 bits, files, statistics = built.bits_per_weight, built.files, built.input_statistics
+                errors, measure = built.linear_errors, built.error_measure
                 del built
                 with _activations(model, ckpt, variant), _kv_cache(model, ckpt, variant):
                     scores = _tracked(progress, f"{variant.name}: evaluate", len(windows),
@@ -111,6 +112,7 @@ def _run(recipe: Recipe, ckpt: HFCheckpoint, tasks: list[Task], out_dir: Path, c
                 variant.name, _describe(variant), bits, _size_mb(ckpt, bits), scores,
                 ppl_delta=scores.ppl - original.scores.ppl, seconds=time.perf_counter() - start,
                 files=[_file_entry(f, out_dir) for f in files], input_statistics=statistics, tasks=answers,
+                linear_errors=errors, error_measure=measure,
                 speed=_speed(progress, recipe, ckpt, variant, files, tokenizer),
             )
             record(done, keys.variant(variant), row)

@@ -23,6 +23,7 @@ from formats.hf import DenseSafetensorsWriter, HFCheckpoint
 from formats.modelfile import modelfile_name, write_modelfile
 from formats.outputs import Outputs
 from quant.awq import awq_model
+from quant.error import OUTPUT_ERROR, WEIGHT_ERROR, relative_error
 from quant.ggml import FILE_TYPES, encode, tensor_types
 from quant.gptq_model import gptq_layer, gptq_model, select_modules
 from quant.outliers import mixed_precision_model
@@ -44,6 +45,10 @@ class BuiltVariant:
     files: list[Path]
     bits_per_weight: float
     input_statistics: dict[str, dict] = field(default_factory=dict)  # quant.outliers.channel_statistics
+    # per decoder Linear (module name), how much quantization changed it (quant/error.py), and how
+    # that was measured; empty where the weights were rescaled (AWQ, SmoothQuant) or kept
+    linear_errors: dict[str, float] = field(default_factory=dict)
+    error_measure: str | None = None
 
 
 @dataclass
@@ -117,7 +122,9 @@ def build_variant(
     plan = plan_variant(ckpt, variant, imatrix is not None)
     progress = progress or Progress(disable=True)
     calibrated = variant.needs_calibration and not isinstance(variant.weights, GGUFWeights)
-    fitted, statistics = _fit(ckpt, variant, calibration, progress) if calibrated else ({}, {})
+    fitted, statistics, errors = _fit(ckpt, variant, calibration, progress) if calibrated else ({}, {}, {})
+    measure = OUTPUT_ERROR if errors else WEIGHT_ERROR if _compares_weights(variant) and keep_weights else None
+    linears = set(ckpt.linear_modules)
     files = export_paths(ckpt, variant, out_dir, gguf_path)
     writers: list = []
     state: dict[str, torch.Tensor] = {}
@@ -135,6 +142,8 @@ def build_variant(
                 w.add(name, weights if isinstance(w, DenseSafetensorsWriter) else payload)
             if keep_weights:
                 state[name] = weights
+            if measure == WEIGHT_ERROR and name.removesuffix(".weight") in linears:
+                errors[name.removesuffix(".weight")] = relative_error(ckpt.tensor(name), weights)
             n = _numel(ckpt.shape(name))
             bits += _bits(payload) * n
             params += n
@@ -147,7 +156,15 @@ def build_variant(
         raise
     finally:
         progress.remove_task(task)
-    return BuiltVariant(state, [p for export, p in files.items() if export != "modelfile"], bits / params, statistics)
+    return BuiltVariant(state, [p for export, p in files.items() if export != "modelfile"], bits / params, statistics,
+                        errors, measure if errors else None)
+
+
+def _compares_weights(variant: Variant) -> bool:
+    """Whether a variant's dequantized weights are comparable with the source's one to one: not
+    where AWQ or SmoothQuant rescaled them, nor where nothing was quantized."""
+    w = variant.weights
+    return variant.activations is None and isinstance(w, (RTNWeights, GPTQWeights, GGUFWeights))
 
 
 def _writer(export: str, path: Path, ckpt: HFCheckpoint, variant: Variant, plan: Plan, files: dict[str, Path]):
@@ -187,15 +204,17 @@ def export_paths(ckpt: HFCheckpoint, variant: Variant, out_dir: Path, gguf_path:
     return paths
 
 
-def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None, progress: Progress) -> tuple[dict[str, TensorPayload], dict[str, dict]]:
+def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None,
+         progress: Progress) -> tuple[dict[str, TensorPayload], dict[str, dict], dict[str, float]]:
     """The calibrated passes (GPTQ, AWQ, outlier columns, SmoothQuant before W8A8), streamed from
     the checkpoint one decoder layer at a time (the float model is never loaded whole): every
     tensor of the decoder layers they produced, by name (quantized weights, and the norms and
     biases that absorbed AWQ's or SmoothQuant's scales), and the per-Linear input statistics of the
-    outlier-aware passes, by module name. The payloads are kept until the export loop writes them
+    outlier-aware passes and GPTQ's output errors (quant/error.py), by module name. The payloads are kept until the export loop writes them
     in the checkpoint's tensor order, which is not the layers' order: for a 4-bit variant that is
     the uint8 codes, a quarter of the float32 weights, plus their scales."""
     weights = variant.weights
+    errors: dict[str, float] = {}
     if windows is None:
         raise InputError(f"variant '{variant.name}': {weights.method} needs calibration text (add 'calibration: {{text: ...}}')")
     if variant.activations is not None:
@@ -203,7 +222,12 @@ def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None, pro
         layers = (tuple(layer) for layer in smoothing)
     elif isinstance(weights, GPTQWeights):
         gptq = gptq_model(ckpt, windows, weights.spec, weights.settings, weights.targets, weights.ignore)
-        layers = (({name: r.tensor for name, r in results.items()}, {}) for results in gptq)
+
+        def payloads(results: dict) -> dict[str, TensorPayload]:
+            errors.update({name.removesuffix(".weight"): r.output_error for name, r in results.items()})
+            return {name: r.tensor for name, r in results.items()}
+
+        layers = ((payloads(results), {}) for results in gptq)
     elif isinstance(weights, AWQWeights):
         awq = awq_model(ckpt, windows, weights.spec, weights.settings, modules=chosen_modules(ckpt, weights))
         layers = ((results, {}) for results in awq)
@@ -220,7 +244,7 @@ def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None, pro
             progress.advance(task)
     finally:
         progress.remove_task(task)
-    return fitted, statistics
+    return fitted, statistics, errors
 
 
 def _layer_quantizer(ckpt: HFCheckpoint, weights: RTNWeights | GPTQWeights) -> LayerQuantizer:

@@ -245,3 +245,34 @@ def test_html_report_holds_the_table_and_a_point_per_variant(small_run):
     by_name = {c.find("s:title", ns).text.split(":")[0]: (float(c.get("cx")), float(c.get("cy"))) for c in circles}
     assert by_name["int8"][1] > by_name["int4-g64-asym"][1]
     assert by_name["q4_k_m-imatrix"][0] < by_name["f16"][0]
+
+
+def test_every_variant_records_where_quantization_hurt(small_run):
+    """Per decoder Linear: weight error without calibration, GPTQ's output error on its calibration
+    inputs, nothing where AWQ or SmoothQuant rescaled the weights; the worst listed and mapped."""
+    out, report = small_run
+    rows = {r["name"]: r for r in report["variants"]}
+    for name in ("int8", "int4-g64-asym", "q4_k_m-imatrix", "int4-g64-outliers"):
+        assert rows[name]["error_measure"] == "relative weight error" and len(rows[name]["linear_errors"]) == 7 * 6
+    assert rows["gptq-int4-g64-asym"]["error_measure"] == "relative output error on calibration inputs"
+    assert len(rows["gptq-int4-g64-asym"]["linear_errors"]) == 7 * 6
+    for name in ("awq-int4-g64", "w8a8-smoothquant", "kv-int4", "original"):
+        assert rows[name]["linear_errors"] == {} and rows[name]["error_measure"] is None
+    median = lambda r: sorted(r["linear_errors"].values())[21]  # noqa: E731
+    assert 0 < median(rows["int8"]) < 0.02 < median(rows["int4-g64-asym"]) < 0.3
+    assert median(rows["int4-g64-outliers"]) < median(rows["int4-g64-asym"])  # its fp16 columns are exact
+    md = (out / "report.md").read_text()
+    assert "## Where it hurts" in md and "| gptq-int4-g64-asym | relative output error on calibration inputs |" in md
+    assert (out / "report.html").read_text().count('data-chart="heatmap"') == sum(bool(r["linear_errors"]) for r in rows.values()) == 7
+
+
+def test_output_error_from_the_hessian_is_the_error_of_the_outputs():
+    from quant.error import relative_error
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 16, generator=g, dtype=torch.float64)
+    x = torch.randn(100, 16, generator=g, dtype=torch.float64) * torch.linspace(0.1, 3, 16, dtype=torch.float64)
+    q = w + 0.1 * torch.randn(8, 16, generator=g, dtype=torch.float64)
+    direct = ((x @ (q - w).T).norm() / (x @ w.T).norm()).item()
+    assert relative_error(w, q, x.T @ x) == pytest.approx(direct, rel=1e-9)
+    assert relative_error(w, q) == pytest.approx(((q - w).norm() / w.norm()).item(), rel=1e-9)
