@@ -103,6 +103,30 @@ def imatrix_command(
 
 
 @app.command()
+def compare(
+    run_a: Path = typer.Argument(..., help="A run's output folder (or its report.json)."),
+    run_b: Path = typer.Argument(..., help="Another run's output folder (or its report.json)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Also write the comparison as Markdown here."),
+) -> None:
+    """Put two runs' reports side by side, variant by variant."""
+    from evalsuite.compare import load_report, markdown, side_by_side
+    from formats.outputs import Outputs, check_output_path
+
+    head, rows = side_by_side(load_report(run_a), load_report(run_b))
+    if out is not None:
+        check_output_path(out, folder=False)
+        with Outputs() as outputs:
+            outputs.stage(out).write_text(markdown(run_a, run_b, head, rows), encoding="utf-8")
+            outputs.commit()
+    t = Table(title=Text(f"A: {run_a}   B: {run_b}"))
+    for i, h in enumerate(head):
+        t.add_column(h, justify="left" if i == 0 else "right")
+    for r in rows:
+        t.add_row(*r)
+    stdout.print(t)
+
+
+@app.command()
 def inspect(file: Path = typer.Argument(..., help="A .gguf or .safetensors file.")) -> None:
     """Show a model file's metadata and tensors: names, types, shapes, bits per weight."""
     from formats.inspect import inspect_file

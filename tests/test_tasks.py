@@ -139,3 +139,24 @@ def test_the_real_report_reads_in_a_browser(task_run):
         assert sorted(page.chart("task-accuracy", task=task).variants) == ["int2-g32", "int8", "original"]
     assert overlaps(page.chart("size-kld")) == []
     assert (results / "report-tasks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_puts_two_runs_side_by_side(task_run, tmp_path):
+    other = json.loads((task_run["out"] / "report.json").read_text())
+    other["variants"] = [v for v in other["variants"] if v["name"] != "int8"] + [dict(other["variants"][1], name="int6", ppl=61.5)]
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "report.json").write_text(json.dumps(other))
+    md = tmp_path / "compare.md"
+    run = subprocess.run([sys.executable, "-m", "recipes.cli", "compare", str(task_run["out"]), str(tmp_path / "b"),
+                          "--out", str(md)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    lines = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in md.read_text().splitlines() if line.startswith("| ")}
+    head = lines["variant"]
+    assert head[1:5] == ["size MB A", "size MB B", "PPL A", "PPL B"] and "persuasion_order B" in head[-1]
+    assert lines["int8"][head.index("PPL B")] == "—" and lines["int6"][head.index("PPL A")] == "—"
+    assert lines["int6"][head.index("PPL B")] == "61.500"
+    assert lines["original"][head.index("PPL A")] == lines["original"][head.index("PPL B")] != "—"
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    run = subprocess.run([sys.executable, "-m", "recipes.cli", "compare", str(task_run["out"]), str(tmp_path / "bad.json")],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "bad.json: not a quantbench report.json" in run.stderr and "Traceback" not in run.stderr
