@@ -160,3 +160,15 @@ def test_compare_puts_two_runs_side_by_side(task_run, tmp_path):
     run = subprocess.run([sys.executable, "-m", "recipes.cli", "compare", str(task_run["out"]), str(tmp_path / "bad.json")],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "bad.json: not a quantbench report.json" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_every_field_of_report_json_is_documented(task_run):
+    doc = (Path(__file__).parent.parent / "docs" / "report.md").read_text()
+    schema = doc[doc.index("## `report.json`"):]
+    report = json.loads((task_run["out"] / "report.json").read_text())
+    fields = set(report) | set(report["evaluation"]) | set(report["recommendation"]) | set(report["recommendation"]["budget"])
+    for row in report["variants"]:
+        fields |= set(row) | set(row["per_window"]) | set(row["intervals"])
+        fields |= {k for t in row["tasks"].values() for k in t}
+    missing = sorted(f for f in fields if f not in schema)
+    assert missing == []
