@@ -306,7 +306,6 @@ def html(report: Report) -> str:
         against += f"<h2>Where it hurts</h2>\n{_html_table(*hurts)}\n<div class=\"heatmaps\">\n{maps}\n</div>\n"
     advice = "".join(f"<li>{escape(line)}</li>" for line in recommendation_lines(report))
     advice = f'<h2>Recommendation</h2>\n<ul class="recommendation">{advice}</ul>\n' if advice else ""
-    pareto = frozenset(report.recommendation["pareto"]) if report.recommendation else frozenset()
     against += f"<p>{escape(_SIGNIFICANCE_NOTE)}</p>\n" if len(report.rows) > 1 else ""
     return f"""<!DOCTYPE html>
 <html xmlns="http://www.w3.org/1999/xhtml" lang="en">
@@ -336,7 +335,7 @@ svg text {{ font-size: 12px; fill: #222; }}
 next-token distribution (nats per token). top-1: share of positions where the variant's most likely
 next token is the original's. bpw: bits per weight over all tensors.</p>
 <h2>Size against fidelity</h2>
-{size_fidelity_svg(report.rows, pareto)}
+{size_fidelity_svg(report.rows, _pareto(report))}
 {_speed_chart(report)}{against}<h2>Files</h2>
 <ul>
 {files}
@@ -349,7 +348,11 @@ next token is the original's. bpw: bits per weight over all tensors.</p>
 def _speed_chart(report: Report) -> str:
     if not _timed(report):
         return ""
-    return f"<h2>Speed against fidelity</h2>\n{speed_fidelity_svg(report.rows)}\n"
+    return f"<h2>Speed against fidelity</h2>\n{speed_fidelity_svg(report.rows, _pareto(report))}\n"
+
+
+def _pareto(report: Report) -> frozenset[str]:
+    return frozenset(report.recommendation["pareto"]) if report.recommendation else frozenset()
 
 
 def _task_chart(report: Report, task: str) -> str:

@@ -136,14 +136,15 @@ def build_variant(
             if writer is not None:
                 writers.append(writer)
         for name in plan.names:
-            payload = fitted.pop(name) if name in fitted else _quantize(ckpt, variant, plan, name, imatrix)
+            source = None if name in fitted else ckpt.tensor(name)
+            payload = fitted.pop(name) if source is None else _quantize(ckpt, variant, plan, name, source, imatrix)
             weights = dequantized(payload) if keep_weights or "safetensors" in variant.exports else None
             for w in writers:
                 w.add(name, weights if isinstance(w, DenseSafetensorsWriter) else payload)
             if keep_weights:
                 state[name] = weights
             if measure == WEIGHT_ERROR and name.removesuffix(".weight") in linears:
-                errors[name.removesuffix(".weight")] = relative_error(ckpt.tensor(name), weights)
+                errors[name.removesuffix(".weight")] = relative_error(ckpt.tensor(name) if source is None else source, weights)
             n = _numel(ckpt.shape(name))
             bits += _bits(payload) * n
             params += n
@@ -275,10 +276,10 @@ def activation_modules(ckpt: HFCheckpoint, variant: Variant) -> list[str]:
     return chosen_modules(ckpt, variant.weights)
 
 
-def _quantize(ckpt: HFCheckpoint, variant: Variant, plan: Plan, name: str, imatrix: Imatrix | None) -> TensorPayload:
+def _quantize(ckpt: HFCheckpoint, variant: Variant, plan: Plan, name: str, tensor: torch.Tensor,
+              imatrix: Imatrix | None) -> TensorPayload:
     """One tensor's payload. The quantizers refuse NaN/Inf themselves (naming the tensor), so the
     explicit scan is only needed for tensors passed through unchanged."""
-    tensor = ckpt.tensor(name)
     weights = variant.weights
     if not isinstance(weights, GGUFWeights):
         if isinstance(weights, RTNWeights) and name in plan.quantized:
