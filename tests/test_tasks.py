@@ -11,7 +11,7 @@ import torch
 from conftest import TINY, write_recipe
 from evalsuite.loglikelihood import continuation_logprobs, encode_pair
 from evalsuite.metrics import causal_lm_logprobs
-from evalsuite.paired import task_comparison
+from evalsuite.paired import spans_zero, task_comparison
 from evalsuite.tasks import load_task, run_task
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
 from quant.types import InputError
@@ -102,6 +102,7 @@ def test_paired_comparison_counts_flips_both_ways():
     assert got["right_to_wrong"] == [1] and got["wrong_to_right"] == [2] and got["delta"] == 0.0
     lo, hi = got["delta_interval"]
     assert lo < 0 < hi
+    assert spans_zero([-3e-9, -1e-9]) and not spans_zero([0.001, 0.02]) and not spans_zero([])  # rounding is no change
 
 
 @pytest.mark.parametrize("line, message", [
