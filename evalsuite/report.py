@@ -226,10 +226,8 @@ def markdown(report: Report) -> str:
         "",
         *(["## Recommendation", "", *(f"- {line}" for line in recommendation_lines(report)), ""]
           if report.recommendation else []),
-        "| " + " | ".join(columns(report)) + " |",
-        "|" + "---|" * len(columns(report)),
+        *_md_table(list(columns(report)), [cells(r, _timed(report)) for r in report.rows]),
     ]
-    lines += ["| " + " | ".join(cells(r, _timed(report))) + " |" for r in report.rows]
     lines += [
         "",
         "PPL: perplexity on the evaluation text. KLD: mean KL divergence from the original model's "
@@ -283,30 +281,28 @@ def _outlier_section(row: VariantRow) -> list[str]:
         f"{total} outlier input channels over {len(stats)} Linear modules; the {len(worst)} with the "
         "largest ratio of the largest per-channel |x| to the median one:",
         "",
-        "| module | outlier channels | max abs | max/median |",
-        "|---|---|---|---|",
+        *_md_table(["module", "outlier channels", "max abs", "max/median"],
+                   [[f"`{name}`", str(s["outlier_channels"]), f"{s['max_abs']:.2f}", f"{s['max_over_median']:.1f}"]
+                    for name, s in worst]),
     ]
-    lines += [f"| `{name}` | {s['outlier_channels']} | {s['max_abs']:.2f} | {s['max_over_median']:.1f} |" for name, s in worst]
     return lines
 
 
 def html(report: Report) -> str:
     """One self-contained page: the table, the size/fidelity chart and the files. Well-formed XML,
     so tools (and tests) can parse it; it opens offline and survives being mailed."""
-    timed = _timed(report)
-    rows = "\n".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in cells(r, timed)) + "</tr>" for r in report.rows)
-    head = "".join(f"<th>{escape(c)}</th>" for c in columns(report))
+    main_table = _html_table(list(columns(report)), [cells(r, _timed(report)) for r in report.rows])
     files = "\n".join(f"<li><code>{escape(f['path'])}</code> ({f['bytes'] / 1e6:.2f} MB)</li>" for r in report.rows for f in r.files)
     against = (f"<h2>Against the original</h2>\n{_html_table(*significance_table(report))}\n" if len(report.rows) > 1 else "")
     against += "".join(f"<h2>Task: {escape(_task_caption(report, t))}</h2>\n{_html_table(*task_table(report, t))}\n"
                        f"{_task_chart(report, t)}\n" for t in task_names(report))
+    against += f"<p>{escape(_SIGNIFICANCE_NOTE)}</p>\n" if len(report.rows) > 1 else ""
     hurts = worst_linears_table(report)
     if hurts[1]:
         maps = "\n".join(heatmap_svg(r.name, r.linear_errors, r.error_measure or "") for r in report.rows if r.linear_errors)
         against += f"<h2>Where it hurts</h2>\n{_html_table(*hurts)}\n<div class=\"heatmaps\">\n{maps}\n</div>\n"
     advice = "".join(f"<li>{escape(line)}</li>" for line in recommendation_lines(report))
     advice = f'<h2>Recommendation</h2>\n<ul class="recommendation">{advice}</ul>\n' if advice else ""
-    against += f"<p>{escape(_SIGNIFICANCE_NOTE)}</p>\n" if len(report.rows) > 1 else ""
     return f"""<!DOCTYPE html>
 <html xmlns="http://www.w3.org/1999/xhtml" lang="en">
 <head>
@@ -325,12 +321,7 @@ svg text {{ font-size: 12px; fill: #222; }}
 <h1>quantbench report</h1>
 <p>Model: <code>{escape(report.model)}</code>. Evaluation: <code>{escape(report.eval_text)}</code>,
 {report.windows} windows of {report.window} tokens.</p>
-{advice}<table>
-<thead><tr>{head}</tr></thead>
-<tbody>
-{rows}
-</tbody>
-</table>
+{advice}{main_table}
 <p>PPL: perplexity on the evaluation text. KLD: mean KL divergence from the original model's
 next-token distribution (nats per token). top-1: share of positions where the variant's most likely
 next token is the original's. bpw: bits per weight over all tensors.</p>
