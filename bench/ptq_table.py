@@ -179,7 +179,7 @@ def worker(argv: list[str]) -> None:
         fitted = {n: quantize_rtn(ckpt.tensor(n).float(), spec, n) for n in ckpt.names
                   if n.startswith("model.layers.") and is_linear_weight(n, ckpt.shape(n))}
     elif args.method == "awq":
-        fitted = {n: p for layer in awq_model(ckpt, windows, spec) for n, p in layer.items()}
+        fitted = {n: p for layer in awq_model(ckpt, windows, spec) for n, p in layer.tensors.items()}
     elif args.method in W8A8:  # SmoothQuant α 0.5, int8 weights per channel, int8 activations per token
         int8 = QuantSpec(8, True, "channel")
         layers = list(smoothquant_model(ckpt, windows, 0.5, lambda step: rtn_layer(step, int8)))

@@ -67,9 +67,9 @@ def main() -> None:
         start = time.perf_counter()
         state = {n: p.detach() for n, p in model.named_parameters()}
         modules = []
-        for tensors, statistics in smoothquant_model(ckpt, calib, smoothing, lambda step: rtn_layer(step, int8)):
-            state.update({n: dequantized(t) for n, t in tensors.items()})
-            modules += list(statistics)
+        for layer in smoothquant_model(ckpt, calib, smoothing, lambda step: rtn_layer(step, int8)):
+            state.update({n: dequantized(t) for n, t in layer.tensors.items()})
+            modules += list(layer.statistics)
         quantized = model_from_state(model.config, state)
         print(f"  [{tag}: calibration and quantization {time.perf_counter() - start:.0f} s]", flush=True)
         row(f"W8 (weights only), {tag}", quantized)

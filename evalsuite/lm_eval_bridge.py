@@ -1,20 +1,24 @@
 """lm-evaluation-harness on our models: an ``lm_eval.api.model.LM`` over a log-probability callable.
 
 lm-eval's tasks ask a model for three things: the log-likelihood of a continuation after a context
-(multiple choice, cloze), the log-likelihood of a whole text (perplexity tasks), and greedy text up
-to a stop string (generation tasks). ``QuantbenchLM`` answers the first two with the same scorer
-our own tasks use (``evalsuite.loglikelihood``), so a task scores the same through either path, and
-the third with the caller's generator (the engine, transformers' ``generate``) or, without one,
-greedy decoding through the log-probabilities themselves.
+(multiple choice, cloze), the log-likelihood of a whole text (perplexity tasks), and text up to a
+stop string (generation tasks). ``QuantbenchLM`` answers the first two with the same scorer our own
+tasks use (``evalsuite.loglikelihood``), so a task scores the same through either path, and the
+third with the caller's generator (the engine running the variant's own files) or, without one,
+greedy decoding through the log-probabilities themselves. Generation is greedy whatever a task's
+``gen_kwargs`` say about sampling: a report compares a variant's answers with the original's one
+by one, and sampling would add flips of its own.
 
 Only task runs that go through lm-eval import this module; lm-eval is an optional extra.
-Nothing here downloads: tasks are local YAML files (``write_local_task_yaml``) over local JSONL.
+Nothing here downloads: importing it puts the Hugging Face libraries offline, so a task reads local
+files (``write_local_task_yaml``) or data already in the Hugging Face cache, and fails otherwise.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -27,12 +31,21 @@ from evalsuite.metrics import LogProbs
 from quant.types import InputError
 
 try:
+    import datasets.config
+    import huggingface_hub.constants
     import lm_eval
     from lm_eval.api.model import LM
+    from lm_eval.tasks import TaskManager
 except ImportError:  # pragma: no cover - exercised only where the extra is missing
     raise InputError("lm-eval is not installed: pip install 'quantbench[tasks]'") from None
 
-Generate = Callable[[list[str], list[dict]], list[str]]
+# both libraries read these once, at import (transformers imported huggingface_hub long before)
+os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
+huggingface_hub.constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+
+# prompts as token ids, each with its greedy generation settings {"until": [...], "max_gen_toks": n}
+# -> the generated texts, in order
+Generate = Callable[[list[list[int]], list[dict]], list[str]]
 
 DEFAULT_MAX_GEN_TOKS = 256
 
@@ -49,6 +62,7 @@ class QuantbenchLM(LM):
         self.vocab_size = vocab_size
         self.bos = bos
         self.generate = generate
+        self.generated = 0  # generation requests answered: whether a task generated at all
         self.eos = getattr(tokenizer, "eos_token_id", None)
 
     # lm-eval reads these from a model; a single-process model is rank 0 of 1.
@@ -79,40 +93,49 @@ class QuantbenchLM(LM):
     def generate_until(self, requests) -> list[str]:
         if not requests:
             return []
-        contexts = [r.args[0] for r in requests]
-        kwargs = [dict(r.args[1]) if len(r.args) > 1 and r.args[1] else {} for r in requests]
+        self.generated += len(requests)
+        settings = [_settings(r.args[1] if len(r.args) > 1 else None) for r in requests]
+        prompts = [self.prompt_ids(r.args[0], k["max_gen_toks"]) for r, k in zip(requests, settings)]
         if self.generate is not None:
-            texts = list(self.generate(contexts, kwargs))
-            if len(texts) != len(contexts):
-                raise ValueError(f"generate returned {len(texts)} texts for {len(contexts)} prompts")
+            texts = list(self.generate(prompts, settings))
+            if len(texts) != len(prompts):
+                raise ValueError(f"generate returned {len(texts)} texts for {len(prompts)} prompts")
         else:
-            texts = [self._greedy(c, k) for c, k in zip(contexts, kwargs)]
+            texts = [self._greedy(p, k) for p, k in zip(prompts, settings)]
         out = []
-        for request, text, k in zip(requests, texts, kwargs):
-            text = cut_at_stop(text, _until(k))
+        for request, text, k in zip(requests, texts, settings):
+            text = cut_at_stop(text, k["until"])
             self.cache_hook.add_partial("generate_until", request.args, text)
             out.append(text)
         return out
 
-    def _greedy(self, context: str, gen_kwargs: dict) -> str:
+    def prompt_ids(self, context: str, max_new: int) -> list[int]:
+        """A generation prompt's token ids as the scorer sees a context (no special tokens; an empty
+        one becomes bos), cut from the left to leave room for ``max_new`` tokens."""
+        ids = (self.tokenizer.encode(context, add_special_tokens=False) if context else []) or [self.bos]
+        return ids[-max(1, self.max_length - max_new):]
+
+    def _greedy(self, ids: list[int], settings: dict) -> str:
         """Greedy decoding one token at a time (no KV cache: simple, and fine for short answers)."""
-        until = _until(gen_kwargs)
-        max_new = int(gen_kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
-        ids = self.tokenizer.encode(context, add_special_tokens=False) if context else []
-        ids = ids or [self.bos]
         generated: list[int] = []
-        for _ in range(max_new):
+        for _ in range(settings["max_gen_toks"]):
             # the callable drops the last position's prediction: a placeholder after the text makes
             # the prediction after the text's own last token the final row
             window = (ids + generated)[-(self.max_length - 1):] + [0]
-            lp = self.logprobs(torch.tensor([window], dtype=torch.long))
+            lp = self.logprobs(torch.tensor([window], dtype=torch.long), len(window) - 2)
             token = int(lp[0, -1].argmax())
             if self.eos is not None and token == self.eos:
                 break
             generated.append(token)
-            if until and any(s in self.tokenizer.decode(generated) for s in until):
+            if settings["until"] and any(s in self.tokenizer.decode(generated) for s in settings["until"]):
                 break
         return self.tokenizer.decode(generated)
+
+
+def _settings(gen_kwargs: dict | None) -> dict:
+    """What of a request's generation kwargs applies: its stop strings and length."""
+    gen_kwargs = dict(gen_kwargs or {})
+    return {"until": _until(gen_kwargs), "max_gen_toks": int(gen_kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS))}
 
 
 def _until(gen_kwargs: dict) -> list[str]:
@@ -136,16 +159,35 @@ class TaskOutcome:
     metric: str
     accuracy: float
     correct: list[bool]  # per example, by lm-eval's doc_id
+    chance: float  # what guessing scores: the mean over examples of 1 / choices (0 where not multiple choice)
 
 
-def run_lm_eval(lm: LM, tasks: list[str], include_path: Path | None, limit: int | None,
+def task_manager(include_path: Path | None) -> TaskManager:
+    """lm-eval's task index: its built-in tasks (indexing them takes seconds, so keep one), or
+    only the task YAMLs in ``include_path``."""
+    if include_path is None:
+        return TaskManager()
+    return TaskManager(include_path=str(include_path), include_defaults=False)
+
+
+def load_tasks(tasks: list[str], manager: TaskManager) -> None:
+    """Build the tasks as lm-eval will (their data included), for a one-line error before any
+    model runs: a task lm-eval does not know, or data that is not on this machine."""
+    for task in tasks:
+        if task not in manager.all_tasks:
+            raise InputError(f"lm-eval task '{task}': lm-eval knows no task or group of that name")
+        try:
+            manager.load([task])
+        except Exception as e:  # datasets and lm-eval raise many kinds; all mean the same to a user
+            detail = " ".join(str(e).split())[:300]
+            raise InputError(f"lm-eval task '{task}': cannot load it offline ({type(e).__name__}: {detail}); "
+                             "its data must be in local files or already in the Hugging Face cache") from None
+
+
+def run_lm_eval(lm: LM, tasks: list[str], manager: TaskManager, limit: int | None,
                 num_fewshot: int | None, seed: int = 0) -> dict[str, TaskOutcome]:
-    """Run lm-eval's own evaluator on ``lm``; per task its accuracy and which examples were right."""
-    from lm_eval.tasks import TaskManager
-
-    # with local tasks, skip indexing lm-eval's thousands of built-in YAMLs (seconds; they download)
-    manager = (TaskManager() if include_path is None
-               else TaskManager(include_path=str(include_path), include_defaults=False))
+    """Run lm-eval's own evaluator on ``lm``; per task (a group's, each of its tasks) its accuracy
+    and which examples were right."""
     results = lm_eval.simple_evaluate(
         model=lm, tasks=list(tasks), task_manager=manager, limit=limit, num_fewshot=num_fewshot,
         log_samples=True, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
@@ -154,26 +196,29 @@ def run_lm_eval(lm: LM, tasks: list[str], include_path: Path | None, limit: int 
     if results is None:
         raise RuntimeError("lm-eval returned no results")
     out = {}
-    for name, samples in results["samples"].items():
+    for name, samples in sorted(results["samples"].items()):
         samples = sorted(samples, key=lambda s: s["doc_id"])
         metric = _metric(name, samples)
         correct = [bool(s[metric]) for s in samples]
         accuracy = sum(correct) / len(correct) if correct else math.nan
-        out[name] = TaskOutcome(name, metric, accuracy, correct)
+        chance = sum(1 / len(s["arguments"]) if len(s["arguments"]) > 1 else 0.0 for s in samples) / max(1, len(samples))
+        out[name] = TaskOutcome(name, metric, accuracy, correct, chance)
     return out
 
 
 def _metric(task: str, samples: list[dict]) -> str:
+    """The per-example metric that says right or wrong: ``acc`` where there is one, else the
+    first whose every value is 0 or 1 (``exact_match``, say). A report's flips and paired
+    intervals are over right and wrong answers; a task scored otherwise (perplexity, BLEU) has
+    no place in them."""
     if not samples:
         return "acc"
     names = samples[0].get("metrics") or [k for k in samples[0] if k not in _SAMPLE_FIELDS]
-    if "acc" in names:
-        return "acc"
-    for name in names:
-        value = samples[0].get(name)
-        if isinstance(value, (int, float)):  # bools included
+    for name in sorted(names, key=lambda n: n != "acc"):
+        if all(isinstance(s.get(name), (int, float)) and s[name] in (0, 1) for s in samples):
             return name
-    raise InputError(f"lm-eval task {task}: no numeric per-example metric in its samples")
+    raise InputError(f"lm-eval task '{task}': no per-example metric is right-or-wrong (0 or 1) "
+                     f"among {', '.join(names)}; quantbench compares answers")
 
 
 _SAMPLE_FIELDS = {"doc_id", "doc", "target", "arguments", "resps", "filtered_resps", "filter", "metrics",

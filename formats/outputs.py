@@ -65,6 +65,11 @@ class Outputs:
         self._staged.append((tmp, final))
         return tmp
 
+    def staged(self, final: Path) -> Path:
+        """Where ``final`` is being written until ``commit``: what a reader of the files before
+        then (the engine, scoring a variant) opens."""
+        return next(tmp for tmp, f in self._staged if f == final)
+
     def commit(self) -> None:
         for tmp, final in self._staged:
             if tmp.is_dir() and final.is_dir():

@@ -24,9 +24,10 @@ import torch
 from calib.layerwise import InputStats, input_statistics
 from calib.streaming import skeleton, to_cpu, walk_layers
 from formats.hf import HFCheckpoint
+from quant.error import relative_error
 from quant.folding import fold_scales, layer_mappings
 from quant.rtn import quantize_rtn
-from quant.types import QuantSpec, TensorPayload
+from quant.types import LayerResult, QuantSpec, TensorPayload
 
 _GRID = 20
 _CLIP_STEPS = 10  # group ranges shrunk by 0%, 5%, ... 45%
@@ -46,14 +47,14 @@ def awq_model(
     settings: AWQSettings = AWQSettings(),
     quantize: bool = True,
     modules: Collection[str] | None = None,
-) -> Iterator[dict[str, TensorPayload]]:
+) -> Iterator[LayerResult]:
     """Scale, clip and quantize every decoder layer's Linear weights, layer by layer as they stream
-    from the checkpoint (``calib.streaming``), yielding one dict per layer, by weight name, on the
-    CPU: the quantized weights and every other tensor of the layer as it now is (the norms and
-    feeding Linear rows absorb the scales). With ``quantize=False`` only the (exactly equivalent)
-    scaling is applied and every tensor comes back in float. ``modules`` (full names; all by
-    default) limits which Linear weights are quantized; the scaling, exact in float, is applied
-    throughout."""
+    from the checkpoint (``calib.streaming``), yielding one ``LayerResult`` per layer: by weight name,
+    on the CPU, the quantized weights and every other tensor of the layer as it now is (the norms
+    and feeding Linear rows absorb the scales), and each quantized Linear's relative output error. With
+    ``quantize=False`` only the (exactly equivalent) scaling is applied and every tensor comes
+    back in float. ``modules`` (full names; all by default) limits which Linear weights are
+    quantized; the scaling, exact in float, is applied throughout."""
     for base, layer, inputs in walk_layers(ckpt, skeleton(ckpt), windows):
         layer_modules = dict(layer.named_modules())
         for feeder, targets in layer_mappings(layer_modules, "AWQ"):
@@ -61,19 +62,24 @@ def awq_model(
             scales = _search_scales([layer_modules[t].weight.data for t in targets], stats, spec, settings)
             fold_scales(layer_modules[feeder], [layer_modules[t] for t in targets], scales)
         results: dict[str, TensorPayload] = {}
+        errors: dict[str, float] = {}
         if quantize:
             linears = [n for n, m in layer_modules.items() if isinstance(m, torch.nn.Linear) and (modules is None or base + n in modules)]
             stats = input_statistics(layer, inputs, linears)
             for name in linears:
                 weight = layer_modules[name].weight
+                scaled = weight.data
                 if settings.clip and not name.endswith(_NO_CLIP):
                     weight.data = _clip(weight.data, stats[name], spec, base + name)
                 quantized = quantize_rtn(weight.data, spec, base + name)
                 weight.data = quantized.dequantize().to(weight.dtype)
+                # scaled weights on scaled inputs compute what the original Linear did, so this is
+                # the error of the Linear's outputs against the float model's
+                errors[base + name] = relative_error(scaled, weight.data, stats[name].hessian)
                 results[f"{base}{name}.weight"] = to_cpu(quantized)
         for name, param in layer.named_parameters(prefix=base.rstrip(".")):
             results.setdefault(name, param.detach().cpu().clone())
-        yield results
+        yield LayerResult(results, {}, errors)
 
 
 def _output_error(delta: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:

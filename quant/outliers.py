@@ -13,7 +13,7 @@ shows to explain why a layer suffers under activation quantization.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Iterator, NamedTuple
+from typing import Collection, Iterator
 
 import torch
 
@@ -21,7 +21,7 @@ from calib.layerwise import input_statistics, linear_groups
 from calib.streaming import LayerStep, skeleton, to_cpu, walk_layers
 from formats.hf import HFCheckpoint
 from quant.rtn import quantize_rtn
-from quant.types import InputError, MixedPrecisionTensor, QuantSpec, TensorPayload
+from quant.types import InputError, LayerResult, MixedPrecisionTensor, QuantSpec
 
 
 @dataclass(frozen=True)
@@ -42,14 +42,6 @@ class OutlierRule:
         """The outlier input channels (int32, ascending) of a Linear with these per-channel maxima."""
         limit = max(self.threshold, self.relative * abs_max.median().item())
         return torch.nonzero(abs_max > limit).flatten().to(torch.int32)
-
-
-class LayerResult(NamedTuple):
-    """One decoder layer's output of a calibrated pass: its tensors by weight name (on the CPU) and
-    the per-Linear input statistics (``channel_statistics``) by module name."""
-
-    tensors: dict[str, TensorPayload]
-    statistics: dict[str, dict]
 
 
 def layer_input_abs_max(step: LayerStep) -> dict[str, torch.Tensor]:
@@ -121,4 +113,4 @@ def mixed_precision_model(
             f"{step.prefix}{n}.weight": to_cpu(mixed_precision_rtn(layer_modules[n].weight.data, spec, rule.channels(a), f"{step.prefix}{n}.weight"))
             for n, a in abs_max.items() if modules is None or step.prefix + n in modules
         }
-        yield LayerResult(tensors, channel_statistics({step.prefix + n: a for n, a in abs_max.items()}, rule))
+        yield LayerResult(tensors, channel_statistics({step.prefix + n: a for n, a in abs_max.items()}, rule), {})

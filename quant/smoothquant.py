@@ -17,12 +17,14 @@ from typing import Callable, Collection, Iterator
 
 import torch
 
+from calib.layerwise import input_statistics
 from calib.streaming import LayerStep, skeleton, to_cpu, walk_layers
 from formats.hf import HFCheckpoint
+from quant.error import relative_error
 from quant.folding import fold_scales, layer_mappings
-from quant.outliers import LayerResult, channel_statistics, layer_input_abs_max
+from quant.outliers import channel_statistics, layer_input_abs_max
 from quant.rtn import quantize_rtn
-from quant.types import InputError, QuantizedTensor, QuantSpec, TensorPayload
+from quant.types import InputError, LayerResult, QuantizedTensor, QuantSpec, TensorPayload, dequantized
 
 LayerQuantizer = Callable[[LayerStep], dict[str, TensorPayload]]  # e.g. rtn_layer, quant.gptq_model.gptq_layer
 _TINY = 1e-5  # floor for both maxima and the scales: a dead channel must not give 0 or Inf
@@ -72,13 +74,28 @@ def smoothquant_model(
     from the checkpoint, then ``quantize_layer`` on the smoothed layer (none: the weights stay
     float). Each layer's statistics come from the outputs of the already smoothed (and quantized)
     layers before it. Yields one ``LayerResult`` per layer: every tensor of the layer (the norms
-    and feeding Linear rows absorbed the scales) and the statistics of the inputs its Linears now
-    receive, which an activation quantizer (``quant.activations``) will face."""
+    and feeding Linear rows absorbed the scales), the statistics of the inputs its Linears now
+    receive, which an activation quantizer (``quant.activations``) will face, and the weights'
+    relative output errors."""
     if alpha is not None and not 0.0 <= alpha <= 1.0:
         raise InputError(f"SmoothQuant: alpha must be between 0 and 1, got {alpha}")
     for step in walk_layers(ckpt, skeleton(ckpt), windows):
         abs_max = layer_input_abs_max(step) if alpha is None else smooth_layer(step, alpha)
-        tensors = quantize_layer(step) if quantize_layer else {}
+        tensors, errors = _quantize_measured(step, quantize_layer) if quantize_layer else ({}, {})
         for name, param in step.layer.named_parameters(prefix=step.prefix.rstrip(".")):
             tensors.setdefault(name, param.detach().cpu().clone())
-        yield LayerResult(tensors, channel_statistics({step.prefix + n: a.cpu() for n, a in abs_max.items()}))
+        yield LayerResult(tensors, channel_statistics({step.prefix + n: a.cpu() for n, a in abs_max.items()}), errors)
+
+
+def _quantize_measured(step: LayerStep, quantize_layer: LayerQuantizer) -> tuple[dict[str, TensorPayload], dict[str, float]]:
+    """``quantize_layer`` on a smoothed layer, and each Linear's relative output error on the
+    calibration inputs against the smoothed float Linear, which computes what the original did.
+    The Hessians cost one more pass over the layer; the weight pass may gather its own (GPTQ's come
+    after the groups before it were quantized), so this measure is the same whatever the pass."""
+    linears = {n: m for n, m in step.layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    floats = {n: m.weight.data.clone() for n, m in linears.items()}
+    hessians = {n: s.hessian for n, s in input_statistics(step.layer, step.inputs, list(linears)).items()}
+    tensors = quantize_layer(step)
+    errors = {step.prefix + n: relative_error(floats[n], dequantized(tensors[key]), hessians[n])
+              for n in linears if (key := f"{step.prefix}{n}.weight") in tensors}
+    return tensors, errors

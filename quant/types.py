@@ -8,7 +8,7 @@ without knowing how it was made.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal, NamedTuple, Union
 
 import numpy as np
 import torch
@@ -205,6 +205,17 @@ def dequantized(payload: TensorPayload) -> torch.Tensor:
     if isinstance(payload, torch.Tensor):
         return payload.to(torch.float32)
     return payload.dequantize()
+
+
+class LayerResult(NamedTuple):
+    """One decoder layer's output of a calibrated pass (GPTQ, AWQ, SmoothQuant, outlier columns):
+    its tensors by weight name (on the CPU), the per-Linear input statistics
+    (``quant.outliers.channel_statistics``) by module name, and the relative output error of each
+    Linear it quantized (``quant.error``), by module name, where the pass measured it."""
+
+    tensors: dict[str, TensorPayload]
+    statistics: dict[str, dict]
+    errors: dict[str, float]
 
 
 class InputError(Exception):

@@ -27,10 +27,13 @@ from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_
 from formats.outputs import Outputs, check_output_path, folder_lock
 from quant.activations import simulated_activations
 from quant.kv_cache import simulated_kv_cache
+from recipes import lm_eval_tasks
 from recipes.importance import model_imatrix
+from recipes.lm_eval_tasks import LMEvalTask
 from recipes.resume import ORIGINAL, RECORD, Keys, finished, path_size, record
 from recipes.schema import (AWQWeights, Calibration, GPTQWeights, Recipe, RTNWeights, SourceWeights, Variant,
                             check_against_model)
+from recipes.speed import engine_source
 from recipes.variants import FOLDER_EXPORTS, activation_modules, build_variant, export_paths, plan_variant
 
 
@@ -39,7 +42,10 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
     check_output_path(out_dir, folder=True)
     ckpt = HFCheckpoint.open(recipe.model)
     check_against_model(recipe, ckpt.arch)
-    tasks = [load_task(Path(t.task), t.name, t.limit, t.num_fewshot) for t in recipe.evaluation.tasks]
+    specs = recipe.evaluation.tasks
+    ours = {t.name: load_task(Path(t.task), t.name, t.limit, t.num_fewshot or 0) for t in specs if not t.runs_in_lm_eval}
+    theirs = {t.name: t for t in lm_eval_tasks.prepare([t for t in specs if t.runs_in_lm_eval])}
+    tasks = [ours.get(t.name) or theirs[t.name] for t in specs]
     for v in recipe.variants:  # fails fast on any mismatch with the model, and on any path it cannot write
         plan_variant(ckpt, v, getattr(v.weights, "imatrix", False))
         for export, path in export_paths(ckpt, v, out_dir).items():
@@ -51,7 +57,7 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
         return _run(recipe, ckpt, tasks, out_dir, console)
 
 
-def _run(recipe: Recipe, ckpt: HFCheckpoint, tasks: list[Task], out_dir: Path, console: Console) -> Report:
+def _run(recipe: Recipe, ckpt: HFCheckpoint, tasks: list[Task | LMEvalTask], out_dir: Path, console: Console) -> Report:
     tokenizer = load_tokenizer(ckpt)
     ev = recipe.evaluation
     windows = token_windows(tokenizer, ev.text, ev.window, ev.max_windows)
@@ -79,7 +85,7 @@ def _run(recipe: Recipe, ckpt: HFCheckpoint, tasks: list[Task], out_dir: Path, c
             start = time.perf_counter()
             scores = _tracked(progress, "original: evaluate", len(windows),
                               lambda tick: score(reference, windows, on_window=tick))
-            answers = _tasks(progress, "original", reference, tokenizer, ckpt, tasks)
+            answers = _tasks(progress, "original", reference, tokenizer, ckpt, tasks, engine_source(ckpt.path, None, []))
             bits = _bits_of_source(ckpt)
             original = VariantRow("original", f"source ({_dtype_label(ckpt)})", bits, _size_mb(ckpt, bits), scores,
                                   seconds=time.perf_counter() - start, tasks=answers,
@@ -105,7 +111,10 @@ def _run(recipe: Recipe, ckpt: HFCheckpoint, tasks: list[Task], out_dir: Path, c
                 with _activations(model, ckpt, variant), _kv_cache(model, ckpt, variant):
                     scores = _tracked(progress, f"{variant.name}: evaluate", len(windows),
                                       lambda tick: score(causal_lm_logprobs(model), windows, reference, on_window=tick))
-                    answers = _tasks(progress, variant.name, causal_lm_logprobs(model), tokenizer, ckpt, tasks)
+                    engine = engine_source(ckpt.path, variant, files)
+                    if not isinstance(engine, str) and engine[0] != ckpt.path:  # its export, still staged
+                        engine = (outputs.staged(engine[0]), engine[1])
+                    answers = _tasks(progress, variant.name, causal_lm_logprobs(model), tokenizer, ckpt, tasks, engine)
                 del model
                 outputs.commit()
             row = VariantRow(
@@ -118,7 +127,7 @@ def _run(recipe: Recipe, ckpt: HFCheckpoint, tasks: list[Task], out_dir: Path, c
             record(done, keys.variant(variant), row)
             rows.append(row)
 
-    compare_with_original(rows, {t.name: t.chance for t in tasks})
+    compare_with_original(rows)
     budget = Budget(**recipe.budget.model_dump()) if recipe.budget else None
     report = Report(model=str(recipe.model), eval_text=str(ev.text), windows=windows.shape[0],
                     window=windows.shape[1], rows=rows, recommendation=recommend(rows, budget, recipe.goal))
@@ -127,15 +136,23 @@ def _run(recipe: Recipe, ckpt: HFCheckpoint, tasks: list[Task], out_dir: Path, c
     return report
 
 
-def _tasks(progress: Progress, who: str, logprobs, tokenizer, ckpt: HFCheckpoint, tasks: list[Task]) -> dict[str, dict]:
-    """Each task's answers, right or wrong, example by example."""
+def _tasks(progress: Progress, who: str, logprobs, tokenizer, ckpt: HFCheckpoint, tasks: list[Task | LMEvalTask],
+           engine: tuple[Path, str] | str) -> dict[str, dict]:
+    """Each task's answers, right or wrong, example by example, and what guessing scores; text
+    that a task generates comes from ``engine`` (what the engine runs as this model, with its KV
+    cache; a string: why it cannot, and the evaluated model generates)."""
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    context = ckpt.arch.max_context or 2048
+    generate = None if isinstance(engine, str) else lm_eval_tasks.engine_generator(*engine)
     answers = {}
     for task in tasks:
         label = progress.add_task(f"{who}: {task.name}", total=None)
         try:
-            answers[task.name] = {"correct": run_task(logprobs, tokenizer, task, ckpt.arch.max_context or 2048,
-                                                      ckpt.arch.vocab, bos)}
+            if isinstance(task, Task):
+                answers[task.name] = {"correct": run_task(logprobs, tokenizer, task, context, ckpt.arch.vocab, bos),
+                                      "chance": task.chance}
+            else:
+                answers[task.name] = lm_eval_tasks.run(task, logprobs, tokenizer, context, ckpt.arch.vocab, bos, generate)
         finally:
             progress.remove_task(label)
     return answers

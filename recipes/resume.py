@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+from importlib import metadata
 from pathlib import Path
 
 from evalsuite.metrics import Scores
 from evalsuite.report import VariantRow
 from formats.hf import HFCheckpoint
 from formats.outputs import Outputs
-from recipes.schema import Recipe, Variant
+from recipes.lm_eval_tasks import read_yaml
+from recipes.schema import Recipe, TaskSpec, Variant
 
 RECORD = ".done.json"
 ORIGINAL = ".original.json"
@@ -36,7 +38,7 @@ class Keys:
             "quantbench": _source_digest(),
             "model": {"config": ckpt.config, "files": _folder_stat(ckpt.path)},
             "evaluation": {"text": _sha256(ev.text), "window": ev.window, "max_windows": ev.max_windows,
-                           "tasks": [{"file": _sha256(Path(t.task)), "limit": t.limit, "num_fewshot": t.num_fewshot}
+                           "tasks": [{**_task_inputs(t), "limit": t.limit, "num_fewshot": t.num_fewshot}
                                      for t in ev.tasks]},
             "speed": recipe.speed.model_dump() if recipe.speed else None,
         }
@@ -94,6 +96,33 @@ def _source_digest() -> str:
         for path in sorted(root.rglob("*.py")):
             digest.update(str(path.relative_to(root.parent)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
+
+
+def _task_inputs(task: TaskSpec) -> dict:
+    """What a task's results depend on besides the model: our task file; for lm-eval, its
+    version and the YAML with the local data files it names, or the registered name."""
+    if not task.runs_in_lm_eval:
+        return {"file": _sha256(Path(task.task))}
+    try:
+        version = metadata.version("lm-eval")
+    except metadata.PackageNotFoundError:
+        version = None
+    if not task.is_file:
+        return {"lm_eval": version, "name": task.task}
+    path = Path(task.task)
+    config = read_yaml(path)
+    data = (config.get("dataset_kwargs") or {}).get("data_files") if isinstance(config, dict) else None
+    local = [path.parent / f for f in _strings(data)]
+    return {"lm_eval": version, "yaml": _sha256(path), "data": {str(f): _sha256(f) for f in sorted(local) if f.is_file()}}
+
+
+def _strings(value) -> list[str]:
+    """Every string in a YAML value (lm-eval's data_files: a path, a list, or a split -> either)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    return [s for v in value for s in _strings(v)] if isinstance(value, list) else []
 
 
 def _folder_stat(folder: Path) -> dict[str, list[int]]:

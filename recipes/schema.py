@@ -276,21 +276,42 @@ class Variant(_Strict):
 BUNDLED_TASKS = Path(__file__).parent / "bundled" / "tasks"  # name.jsonl: the tasks shipped with quantbench
 
 
+TASK_FILES = (".jsonl",)  # our task files (evalsuite/tasks.py)
+LM_EVAL_FILES = (".yaml", ".yml")  # lm-eval task configs
+
+
 class TaskSpec(_Strict):
-    """One task of the report: a bundled task's name (``persuasion_cloze``, ``persuasion_order``)
-    or a path to a task file (.jsonl, evalsuite/tasks.py), its first ``limit`` examples."""
+    """One task of the report, its first ``limit`` examples after ``num_fewshot`` answered ones
+    (default: none for ours, the task's own number for lm-eval's):
+    - a bundled task's name (``persuasion_cloze``, ``persuasion_order``) or a task file (.jsonl,
+      evalsuite/tasks.py), scored by our own scorer;
+    - an lm-eval task YAML (.yaml), or the name of a task or group lm-eval knows (``arc_easy``,
+      ``mmlu``) whose data is already on this machine, run by lm-eval's evaluator through
+      evalsuite/lm_eval_bridge.py."""
 
     task: str = Field(min_length=1)
     limit: int | None = Field(default=None, ge=1)
-    num_fewshot: int = Field(default=0, ge=0, le=64)
+    num_fewshot: int | None = Field(default=None, ge=0, le=64)
+
+    @property
+    def runs_in_lm_eval(self) -> bool:
+        suffix = Path(self.task).suffix
+        return suffix in LM_EVAL_FILES or (suffix not in TASK_FILES and not (BUNDLED_TASKS / f"{self.task}.jsonl").is_file())
+
+    @property
+    def is_file(self) -> bool:
+        return Path(self.task).suffix in TASK_FILES + LM_EVAL_FILES
 
     @property
     def name(self) -> str:
-        return Path(self.task).stem
+        return Path(self.task).stem if self.is_file else self.task
 
-    def path(self, base: Path) -> Path:
+    def resolved(self, base: Path) -> "TaskSpec":
+        """With a bundled task's file, or a file path relative to ``base`` (the recipe's folder)."""
         bundled = BUNDLED_TASKS / f"{self.task}.jsonl"
-        return bundled if bundled.is_file() else base / self.task
+        if bundled.is_file():
+            return self.model_copy(update={"task": str(bundled)})
+        return self.model_copy(update={"task": str(base / self.task)}) if self.is_file else self
 
 
 def _task_spec(value: object) -> object:
@@ -431,7 +452,7 @@ def load_recipe(path: Path) -> Recipe:
             "model": base / recipe.model,
             "evaluation": recipe.evaluation.model_copy(update={
                 "text": base / recipe.evaluation.text,
-                "tasks": [t.model_copy(update={"task": str(t.path(base))}) for t in recipe.evaluation.tasks]}),
+                "tasks": [t.resolved(base) for t in recipe.evaluation.tasks]}),
             "calibration": recipe.calibration.model_copy(update={"text": base / recipe.calibration.text})
             if recipe.calibration else None,
             "output": base / recipe.output if recipe.output else None,

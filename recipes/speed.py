@@ -30,17 +30,27 @@ def measure(model: Path, variant: Variant | None, files: list[Path], speed: Spee
             return _row("llama.cpp", run_llama_cpp(gguf, workload_prompts(tokenizer, text, w), output_lengths(w)))
         except ImportError:
             return {"runner": None, "note": "llama-cpp-python is not installed (pip install quantbench[interop])"}
+    source = engine_source(model, variant, files)
+    if isinstance(source, str):
+        return {"runner": None, "note": source}
+    path, cache = source
+    try:
+        return _row("quantbench", run_bench(LLM(path, kv_cache_dtype=cache, kv_memory=0.25), text, w))
+    except InputError as e:
+        return {"runner": None, "note": str(e)}
+
+
+def engine_source(model: Path, variant: Variant | None, files: list[Path]) -> tuple[Path, str] | str:
+    """What the engine runs as ``variant`` (None: the original), with which KV cache, or why it
+    cannot: the source model for the original and KV-cache variants, else a compressed-tensors or
+    GPTQ export; not quantized activations, which it has no kernels for."""
+    if variant is not None and variant.activations is not None:
+        return "the engine has no quantized-activation kernels"
     source = model if variant is None or variant.weights.method == "none" else \
         next((f for f in files if f.name in _ENGINE_EXPORTS), None)
     if source is None:
-        return {"runner": None, "note": "no export that runs as the variant itself (compressed-tensors, GPTQ or GGUF)"}
-    if variant is not None and variant.activations is not None:
-        return {"runner": None, "note": "the engine has no quantized-activation kernels"}
-    cache = variant.kv_cache.format if variant is not None and variant.kv_cache else "auto"
-    try:
-        return _row("quantbench", run_bench(LLM(source, kv_cache_dtype=cache, kv_memory=0.25), text, w))
-    except InputError as e:
-        return {"runner": None, "note": str(e)}
+        return "no export that runs as the variant itself (compressed-tensors, GPTQ or GGUF)"
+    return source, variant.kv_cache.format if variant is not None and variant.kv_cache else "auto"
 
 
 def _row(runner: str, r: BenchResult) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ from quant.gptq_model import gptq_layer, gptq_model, select_modules
 from quant.outliers import mixed_precision_model
 from quant.rtn import quantize_rtn
 from quant.smoothquant import LayerQuantizer, rtn_layer, smoothquant_model
-from quant.types import InputError, TensorPayload, dequantized
+from quant.types import InputError, LayerResult, TensorPayload, dequantized
 from recipes.schema import AWQWeights, GGUFWeights, GPTQWeights, RTNWeights, SourceWeights, Variant
 
 Imatrix = dict[str, np.ndarray]  # HF weight name -> importance per input column
@@ -46,7 +47,7 @@ class BuiltVariant:
     bits_per_weight: float
     input_statistics: dict[str, dict] = field(default_factory=dict)  # quant.outliers.channel_statistics
     # per decoder Linear (module name), how much quantization changed it (quant/error.py), and how
-    # that was measured; empty where the weights were rescaled (AWQ, SmoothQuant) or kept
+    # that was measured; empty where the weights were kept
     linear_errors: dict[str, float] = field(default_factory=dict)
     error_measure: str | None = None
 
@@ -162,8 +163,9 @@ def build_variant(
 
 
 def _compares_weights(variant: Variant) -> bool:
-    """Whether a variant's dequantized weights are comparable with the source's one to one: not
-    where AWQ or SmoothQuant rescaled them, nor where nothing was quantized."""
+    """Whether a variant's dequantized weights are comparable with the source's one to one, for
+    the weight error where no calibrated pass measured output errors: not where AWQ or
+    SmoothQuant rescaled them, nor where nothing was quantized."""
     w = variant.weights
     return variant.activations is None and isinstance(w, (RTNWeights, GPTQWeights, GGUFWeights))
 
@@ -210,38 +212,34 @@ def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None,
     """The calibrated passes (GPTQ, AWQ, outlier columns, SmoothQuant before W8A8), streamed from
     the checkpoint one decoder layer at a time (the float model is never loaded whole): every
     tensor of the decoder layers they produced, by name (quantized weights, and the norms and
-    biases that absorbed AWQ's or SmoothQuant's scales), and the per-Linear input statistics of the
-    outlier-aware passes and GPTQ's output errors (quant/error.py), by module name. The payloads are kept until the export loop writes them
-    in the checkpoint's tensor order, which is not the layers' order: for a 4-bit variant that is
-    the uint8 codes, a quarter of the float32 weights, plus their scales."""
+    biases that absorbed AWQ's or SmoothQuant's scales), and by module name the per-Linear input
+    statistics of the outlier-aware passes and the output errors GPTQ, AWQ and SmoothQuant
+    measured (quant/error.py). The payloads are kept until the export loop writes them in the
+    checkpoint's tensor order, which is not the layers' order: for a 4-bit variant that is the
+    uint8 codes, a quarter of the float32 weights, plus their scales."""
     weights = variant.weights
-    errors: dict[str, float] = {}
     if windows is None:
         raise InputError(f"variant '{variant.name}': {weights.method} needs calibration text (add 'calibration: {{text: ...}}')")
+    layers: Iterator[LayerResult]
     if variant.activations is not None:
-        smoothing = smoothquant_model(ckpt, windows, variant.activations.smoothquant, _layer_quantizer(ckpt, weights))
-        layers = (tuple(layer) for layer in smoothing)
+        layers = smoothquant_model(ckpt, windows, variant.activations.smoothquant, _layer_quantizer(ckpt, weights))
     elif isinstance(weights, GPTQWeights):
         gptq = gptq_model(ckpt, windows, weights.spec, weights.settings, weights.targets, weights.ignore)
-
-        def payloads(results: dict) -> dict[str, TensorPayload]:
-            errors.update({name.removesuffix(".weight"): r.output_error for name, r in results.items()})
-            return {name: r.tensor for name, r in results.items()}
-
-        layers = ((payloads(results), {}) for results in gptq)
+        layers = (LayerResult({n: r.tensor for n, r in results.items()}, {},
+                              {n.removesuffix(".weight"): r.output_error for n, r in results.items()}) for results in gptq)
     elif isinstance(weights, AWQWeights):
-        awq = awq_model(ckpt, windows, weights.spec, weights.settings, modules=chosen_modules(ckpt, weights))
-        layers = ((results, {}) for results in awq)
+        layers = awq_model(ckpt, windows, weights.spec, weights.settings, modules=chosen_modules(ckpt, weights))
     else:
-        outliers = mixed_precision_model(ckpt, windows, weights.spec, weights.outliers.rule, chosen_modules(ckpt, weights))
-        layers = (tuple(layer) for layer in outliers)
+        layers = mixed_precision_model(ckpt, windows, weights.spec, weights.outliers.rule, chosen_modules(ckpt, weights))
     fitted: dict[str, TensorPayload] = {}
     statistics: dict[str, dict] = {}
+    errors: dict[str, float] = {}
     task = progress.add_task(f"{variant.name}: {_pass_label(variant)} layers", total=ckpt.arch.layers)
     try:
-        for tensors, stats in layers:
-            fitted.update(tensors)
-            statistics.update(stats)
+        for layer in layers:
+            fitted.update(layer.tensors)
+            statistics.update(layer.statistics)
+            errors.update(layer.errors)
             progress.advance(task)
     finally:
         progress.remove_task(task)

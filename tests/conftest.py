@@ -57,6 +57,22 @@ def tiny_with(folder: Path, changes: dict) -> Path:
     return folder
 
 
+def output_change(original, quantized, module: str, windows) -> float:
+    """‖y' - y‖ / ‖y‖ of one Linear's outputs over ``windows``, each model fed its own inputs: what
+    a quantizer's recorded relative output error claims, measured by running both models."""
+    import torch
+
+    outputs = []
+    for model in (original, quantized):
+        seen = []
+        handle = model.get_submodule(module).register_forward_hook(lambda m, args, out: seen.append(out.detach()))
+        with torch.inference_mode():
+            model(input_ids=windows)
+        handle.remove()
+        outputs.append(torch.cat(seen).double())
+    return ((outputs[1] - outputs[0]).norm() / outputs[0].norm()).item()
+
+
 def write_recipe(folder: Path, recipe: dict, name: str = "recipe.yaml") -> Path:
     path = folder / name
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))

@@ -17,7 +17,7 @@ from quant.types import InputError
 try:
     from lm_eval.api.instance import Instance
 
-    from evalsuite.lm_eval_bridge import QuantbenchLM, cut_at_stop, run_lm_eval, write_local_task_yaml
+    from evalsuite.lm_eval_bridge import QuantbenchLM, cut_at_stop, run_lm_eval, task_manager, write_local_task_yaml
     MISSING = None
 except (ImportError, InputError) as e:
     MISSING = f"lm-eval is not installed ({e}): pip install -e '.[dev]' (or pip install 'quantbench[tasks]')"
@@ -69,11 +69,11 @@ def order_ours(tiny):
 
 
 @pytest.fixture(scope="module")
-def task_dir(tmp_path_factory):
+def manager(tmp_path_factory):
     out = tmp_path_factory.mktemp("lm_eval_tasks")
     write_local_task_yaml("qb_order", ORDER, out)
     write_local_task_yaml("qb_cloze", CLOZE, out)
-    return out
+    return task_manager(out)
 
 
 def _instances(kind: str, args: list[tuple]) -> list[Instance]:
@@ -106,7 +106,7 @@ def test_loglikelihood_matches_our_scorer_and_transformers(tiny, lm, order_ours)
     assert lm.tokenizer.decode(ctx + cont) == texts[0][0] + texts[0][1]
 
 
-def test_simple_evaluate_order_task_matches_our_accuracy(lm, order_ours, task_dir):
+def test_simple_evaluate_order_task_matches_our_accuracy(lm, order_ours, manager):
     texts, _, ours = order_ours
 
     class Recording(QuantbenchLM):
@@ -119,7 +119,8 @@ def test_simple_evaluate_order_task_matches_our_accuracy(lm, order_ours, task_di
             return super().loglikelihood(requests)
 
     recording = Recording(lm.logprobs, lm.tokenizer, MAX_LENGTH, VOCAB, BOS)
-    outcome = run_lm_eval(recording, ["qb_order"], task_dir, limit=LIMIT, num_fewshot=0)["qb_order"]
+    outcome = run_lm_eval(recording, ["qb_order"], manager, limit=LIMIT, num_fewshot=0)["qb_order"]
+    assert outcome.chance == 0.25
     # lm-eval asked for exactly our strings: no delimiter added, our choices carry their own space
     assert sorted(recording.asked) == sorted(texts)
     examples = _examples(ORDER, LIMIT)
@@ -148,12 +149,12 @@ def test_loglikelihood_rolling_is_the_sum_of_token_logprobs(tiny, lm):
     assert windowed < 0 and windowed != pytest.approx(direct, abs=1e-3)
 
 
-def test_simple_evaluate_cloze_task(lm, task_dir, tiny):
-    outcome = run_lm_eval(lm, ["qb_cloze"], task_dir, limit=20, num_fewshot=0)["qb_cloze"]
+def test_simple_evaluate_cloze_task(lm, manager, tiny):
+    outcome = run_lm_eval(lm, ["qb_cloze"], manager, limit=20, num_fewshot=0)["qb_cloze"]
     model, tokenizer = tiny
     pairs = [encode_pair(tokenizer, e["context"], e["target"], BOS) for e in _examples(CLOZE, 20)]
     direct = [greedy for _, greedy in continuation_logprobs(causal_lm_logprobs(model), pairs, MAX_LENGTH, VOCAB)]
-    assert outcome.metric == "acc" and outcome.correct == direct
+    assert outcome.metric == "acc" and outcome.correct == direct and outcome.chance == 0
     assert outcome.accuracy == pytest.approx(sum(direct) / 20)
 
 
@@ -178,4 +179,6 @@ def test_generate_until_greedy_matches_transformers(tiny, lm):
     with_engine = QuantbenchLM(lm.logprobs, tokenizer, MAX_LENGTH, VOCAB, BOS, generate=generate)
     result = with_engine.generate_until(_instances("generate_until", [("a", {"until": ["."]}), ("b", {"until": "two"})]))
     assert result == ["  one", "  one. "]
-    assert seen[0][0] == ["a", "b"] and seen[0][1][1] == {"until": "two"}
+    # it gets the prompts as the scorer tokenizes them, and the settings that apply
+    assert seen[0][0] == [tokenizer.encode("a", add_special_tokens=False), tokenizer.encode("b", add_special_tokens=False)]
+    assert seen[0][1][1] == {"until": ["two"], "max_gen_toks": 256}

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from calib.text import sample_windows, token_windows
-from conftest import BUNDLED, EVAL_TEXT, TINY, tiny_with
+from conftest import BUNDLED, EVAL_TEXT, TINY, output_change, tiny_with
 from evalsuite.metrics import causal_lm_logprobs, score
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
 from quant.activations import ActivationSpec, simulated_activations
@@ -27,9 +27,9 @@ def _run(ckpt, calib, alpha, quantize_layer=None):
     """Every tensor of the model after the pass (float32), and the statistics by module."""
     state = {n: ckpt.tensor(n).float() for n in ckpt.names}
     statistics = {}
-    for tensors, stats in smoothquant_model(ckpt, calib, alpha, quantize_layer):
-        state.update({n: t if isinstance(t, torch.Tensor) else t.dequantize() for n, t in tensors.items()})
-        statistics.update(stats)
+    for layer in smoothquant_model(ckpt, calib, alpha, quantize_layer):
+        state.update({n: t if isinstance(t, torch.Tensor) else t.dequantize() for n, t in layer.tensors.items()})
+        statistics.update(layer.statistics)
     return state, statistics
 
 
@@ -97,3 +97,18 @@ def test_alpha_outside_zero_to_one_is_an_input_error():
     ckpt, calib, _ = _setup(calib_windows=1)
     with pytest.raises(InputError, match=r"^SmoothQuant: alpha must be between 0 and 1, got 1.5$"):
         next(smoothquant_model(ckpt, calib, alpha=1.5))
+
+
+def test_smoothquant_records_each_linears_output_error_against_the_float_model():
+    """As for AWQ (test_awq): measured on the first layer's q and v, whose inputs both models share."""
+    ckpt, calib, _ = _setup(4)
+    original = load_causal_lm(ckpt)
+    layers = list(smoothquant_model(ckpt, calib, 0.5, lambda step: rtn_layer(step, INT8)))
+    assert all(len(layer.errors) == 7 for layer in layers)
+    state = {n: p.detach().float() for n, p in original.state_dict().items()}
+    for layer in layers:
+        state.update({n: t if isinstance(t, torch.Tensor) else t.dequantize() for n, t in layer.tensors.items()})
+    quantized = model_from_state(original.config, state)
+    for module in ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj"):
+        assert 0 < layers[0].errors[module] < 0.05
+        assert layers[0].errors[module] == pytest.approx(output_change(original, quantized, module, calib), rel=1e-3)

@@ -118,7 +118,7 @@ def test_a_bad_task_file_names_its_line(tmp_path, line, message):
 
 
 def test_a_missing_task_fails_the_recipe_in_one_line(tmp_path):
-    recipe = dict(TASK_RECIPE, evaluation=dict(TASK_RECIPE["evaluation"], tasks=["no_such_task"]))
+    recipe = dict(TASK_RECIPE, evaluation=dict(TASK_RECIPE["evaluation"], tasks=["no_such_task.jsonl"]))
     path = write_recipe(tmp_path, recipe)
     run = subprocess.run([sys.executable, "-m", "recipes.cli", str(path)], capture_output=True, text=True)
     assert run.returncode != 0
