@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from evalsuite.report import VariantRow
 
 Goal = Literal["smallest", "fastest"]
+# a limit met but for float rounding is met: 23% - 22% of 100 answers is 0.010000000000000009
+_ROUNDING = 1e-9
 
 
 @dataclass(frozen=True)
@@ -35,18 +37,18 @@ class Budget:
 def misses(row: VariantRow, original: VariantRow, budget: Budget) -> list[str]:
     """Each limit of ``budget`` that ``row`` misses, with its value: empty when it fits."""
     s, out = row.scores, []
-    if budget.kld is not None and (s.kld is None or s.kld > budget.kld):
+    if budget.kld is not None and (s.kld is None or s.kld > budget.kld + _ROUNDING):
         out.append(f"KLD {s.kld:.4f} > {budget.kld:g}" if s.kld is not None else "no KLD")
-    if budget.top1 is not None and (s.top1 is None or s.top1 < budget.top1):
+    if budget.top1 is not None and (s.top1 is None or s.top1 < budget.top1 - _ROUNDING):
         out.append(f"top-1 {100 * s.top1:.1f}% < {100 * budget.top1:g}%" if s.top1 is not None else "no top-1")
     if budget.ppl_increase is not None:
         increase = s.ppl / original.scores.ppl - 1
-        if increase > budget.ppl_increase:
+        if increase > budget.ppl_increase + _ROUNDING:
             out.append(f"perplexity +{100 * increase:.1f}% > +{100 * budget.ppl_increase:g}%")
     if budget.task_drop is not None:
         for name, t in row.tasks.items():
             drop = original.tasks[name]["accuracy"] - t["accuracy"]
-            if drop > budget.task_drop:
+            if drop > budget.task_drop + _ROUNDING:
                 out.append(f"{name} −{100 * drop:.1f} points > −{100 * budget.task_drop:g}")
     return out
 

@@ -46,6 +46,14 @@ def test_no_variant_meets_a_tight_budget_and_each_says_what_it_misses():
     assert set(rec["misses"]) == {"int8", "int6-big", "int4", "int3"}
 
 
+def test_a_limit_met_exactly_is_met():
+    """One answer in a hundred lost is a drop of one point, whatever the floats make of 0.23 - 0.22."""
+    table = [row("original", 100, 10.0, None, None, 0.23), row("int4", 28, 10.2, 0.02, 0.9, 0.22)]
+    assert 0.23 - 0.22 > 0.01
+    rec = recommend(table, Budget(kld=0.02, top1=0.9, ppl_increase=0.02, task_drop=0.01))
+    assert rec["variant"] == "int4" and rec["misses"] == {}
+
+
 def test_the_pareto_front_leaves_out_what_another_variant_beats_on_both():
     assert pareto_front(TABLE) == ["int8", "int4", "int3"]
     assert recommend(TABLE, None)["variant"] is None and recommend(TABLE, None)["pareto"] == ["int8", "int4", "int3"]
