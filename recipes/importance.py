@@ -15,7 +15,7 @@ from formats.gguf import gguf_name
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
 from formats.imatrix import read_imatrix
 from quant.types import InputError
-from recipes.variants import Imatrix
+from recipes.methods import Imatrix
 
 
 def model_imatrix(model: torch.nn.Module, ckpt: HFCheckpoint, windows: torch.Tensor,

@@ -31,8 +31,8 @@ from recipes import lm_eval_tasks
 from recipes.importance import model_imatrix
 from recipes.lm_eval_tasks import LMEvalTask
 from recipes.resume import ORIGINAL, RECORD, Keys, finished, path_size, record
-from recipes.schema import (AWQWeights, Calibration, GPTQWeights, Recipe, RTNWeights, SourceWeights, Variant,
-                            check_against_model)
+from recipes.methods import method_of
+from recipes.schema import Calibration, Recipe, Variant, check_against_model
 from recipes.speed import engine_source
 from recipes.variants import FOLDER_EXPORTS, activation_modules, build_variant, export_paths, plan_variant
 
@@ -196,17 +196,7 @@ def _describe(variant: Variant) -> str:
 
 
 def _describe_weights(variant: Variant) -> str:
-    w = variant.weights
-    if isinstance(w, SourceWeights):
-        return "source weights"
-    if isinstance(w, RTNWeights):
-        label = f"rtn {w.spec.label}" + (" fp16-outliers" if w.outliers else "")
-    elif isinstance(w, AWQWeights):
-        label = f"awq {w.spec.label}"
-    elif isinstance(w, GPTQWeights):
-        label = f"gptq {w.spec.label}" + (" act-order" if w.act_order else "") + (" static-groups" if w.static_groups else "")
-    else:
-        return f"gguf {w.type}" + (" imatrix" if w.imatrix else "")
+    label = method_of(variant.weights).describe(variant.weights)
     a = variant.activations
     if a is not None:
         label += f" {a.spec.label}" + (f" smoothquant-{a.smoothquant:g}" if a.smoothquant is not None else "")

@@ -7,7 +7,7 @@ names it, so a long batch job never dies half-way on a typo.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Callable, Literal, Union
+from typing import Annotated, Callable, ClassVar, Literal, Union
 
 import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -114,6 +114,10 @@ class RTNWeights(_GridWeights):
     group_size: int | None = Field(default=None, ge=1)  # group: input columns; block: rows and columns
     outliers: Outliers | None = None  # {} for the defaults: fitted on the calibration text
 
+    @property
+    def calibrated(self) -> bool:  # each weights class: whether it needs calibration text
+        return self.outliers is not None
+
     @model_validator(mode="after")
     def _group_size_matches_granularity(self) -> "RTNWeights":
         sized = self.granularity in ("group", "block")
@@ -136,6 +140,7 @@ class GPTQWeights(_GridWeights):
     act_order: bool = False
     static_groups: bool = False
     damp: float = Field(default=0.01, gt=0, le=1)
+    calibrated: ClassVar[bool] = True
 
     @property
     def spec(self) -> QuantSpec:
@@ -156,6 +161,7 @@ class AWQWeights(_Targeted):
     group_size: int | None = Field(default=128, ge=1)
     weight_term: bool = True  # the weight-magnitude term of the scale search
     clip: bool = True
+    calibrated: ClassVar[bool] = True
 
     @property
     def spec(self) -> QuantSpec:
@@ -173,11 +179,16 @@ class GGUFWeights(_Strict):
     type: Literal[tuple(FILE_TYPES)]  # type: ignore[valid-type]
     imatrix: bool = False  # weight rounding errors by an importance matrix from the calibration text
 
+    @property
+    def calibrated(self) -> bool:
+        return self.imatrix
+
 
 class SourceWeights(_Strict):
     """The source weights as they are: for variants that change only the KV cache."""
 
     method: Literal["none"]
+    calibrated: ClassVar[bool] = False
 
 
 class KVCache(_Strict):
@@ -231,9 +242,7 @@ class Variant(_Strict):
 
     @property
     def needs_calibration(self) -> bool:
-        w = self.weights
-        return (isinstance(w, (GPTQWeights, AWQWeights)) or getattr(w, "imatrix", False)
-                or getattr(w, "outliers", None) is not None or self.activations is not None)
+        return self.weights.calibrated or self.activations is not None
 
     @model_validator(mode="after")
     def _gguf_needs_gguf_weights(self) -> "Variant":

@@ -1,0 +1,128 @@
+"""The weight methods a variant names (``weights: {method: ...}``): one registry that the variant
+builder (recipes/variants.py) and the pipeline dispatch through.
+
+A method is one module here, registered under its recipe name, beside its weights class in
+recipes/schema.py: what it writes (``plan``), the layer-by-layer pass it fits on calibration text
+if it has one (``fits``, ``fit``), what it makes of each other tensor (``quantize``), and how the
+report names it (``describe``). The defaults suit methods that quantize the chosen decoder
+Linears.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from formats.hf import HFCheckpoint
+from quant.gptq_model import select_modules
+from quant.types import InputError, LayerResult, TensorPayload
+
+Imatrix = dict[str, np.ndarray]  # HF weight name -> importance per input column
+
+
+@dataclass
+class Plan:
+    """What one variant will write: tensors in order, with each tensor's ggml type for GGUF."""
+
+    names: list[str]
+    ggml_types: dict[str, str] = field(default_factory=dict)
+    quantized: set[str] = field(default_factory=set)  # grid methods: the weights they quantize
+
+
+class WeightMethod:
+    """How a method turns the source tensors into a variant's. ``weights`` is the variant's
+    weights entry of the recipe (recipes/schema.py)."""
+
+    # whether the dequantized weights compare one to one with the source's, for the report's
+    # weight error where no calibrated pass measured output errors
+    compares_weights = True
+
+    def plan(self, ckpt: HFCheckpoint, variant, imatrix: bool) -> Plan:
+        """The tensors the variant writes, checked against the model's shapes; reads no data."""
+        return _grid_plan(ckpt, variant)
+
+    def fits(self, weights) -> bool:
+        """Whether these weights are fitted layer by layer on calibration text (``fit``)."""
+        return False
+
+    def fit(self, ckpt: HFCheckpoint, variant, windows: torch.Tensor) -> Iterator[LayerResult]:
+        """The layer-by-layer pass on the calibration ``windows``: each decoder layer's tensors
+        as the variant stores them, as the layers stream from the checkpoint."""
+        raise NotImplementedError
+
+    def quantize(self, ckpt: HFCheckpoint, variant, plan: Plan, name: str, tensor: torch.Tensor,
+                 imatrix: Imatrix | None) -> TensorPayload:
+        """A tensor the fit did not produce: passed through unchanged, checked for NaN and Inf."""
+        return finite(ckpt, name, tensor)
+
+    def layer_quantizer(self, ckpt: HFCheckpoint, weights) -> Callable:
+        """The weight pass on one smoothed decoder layer, for variants with quantized activations
+        (quant/smoothquant.py: ``LayerQuantizer``)."""
+        raise InputError(f"activations need rtn or gptq weights, not {weights.method}")
+
+    def describe(self, weights) -> str:
+        return weights.method
+
+    def pass_label(self, weights) -> str:
+        return weights.method.upper()
+
+
+METHODS: dict[str, WeightMethod] = {}
+
+
+def register(name: str) -> Callable[[type[WeightMethod]], type[WeightMethod]]:
+    def add(cls: type[WeightMethod]) -> type[WeightMethod]:
+        METHODS[name] = cls()
+        return cls
+    return add
+
+
+def method_of(weights) -> WeightMethod:
+    return METHODS[weights.method]
+
+
+def chosen_modules(ckpt: HFCheckpoint, weights) -> list[str]:
+    """The decoder Linear modules the weights' ``targets`` and ``ignore`` patterns pick, in
+    checkpoint order."""
+    linears = ckpt.linear_modules
+    chosen = select_modules(linears, weights.targets, weights.ignore)
+    return [n for n in linears if n in chosen]
+
+
+def finite(ckpt: HFCheckpoint, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as it is; the quantizers refuse NaN and Inf themselves (naming the tensor), so
+    only tensors passed through need this scan."""
+    if not torch.isfinite(tensor).all():
+        raise InputError(f"{ckpt.path}: tensor '{name}' contains NaN or Inf")
+    return tensor
+
+
+def _grid_plan(ckpt: HFCheckpoint, variant) -> Plan:
+    """Every tensor in checkpoint order; the chosen decoder Linears' weights quantized on the
+    weights' grid, whose groups or blocks must divide their shapes."""
+    spec = variant.weights.spec
+    if not ckpt.linear_modules:
+        raise InputError(f"{ckpt.path}: no Linear weights to quantize")
+    try:
+        chosen = chosen_modules(ckpt, variant.weights)
+    except InputError as e:
+        raise InputError(f"variant '{variant.name}': {e}") from None
+    targets = [f"{m}.weight" for m in chosen]
+    for n in targets:
+        rows, cols = ckpt.shape(n)
+        if spec.granularity == "group" and cols % spec.group_size:
+            raise InputError(
+                f"variant '{variant.name}': group_size {spec.group_size} does not divide the input size {cols} of tensor '{n}'"
+            )
+        if spec.granularity == "block" and (rows % spec.group_size or cols % spec.group_size):
+            raise InputError(
+                f"variant '{variant.name}': block size {spec.group_size} does not divide the shape {rows}x{cols} of tensor '{n}'"
+            )
+    return Plan(ckpt.names, quantized=set(targets))
+
+
+# each module registers its method on import
+from recipes.methods import awq, gguf, gptq, rtn, source  # noqa: E402,F401
