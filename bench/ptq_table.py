@@ -161,13 +161,13 @@ def worker(argv: list[str]) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from formats.hf import DenseSafetensorsWriter, HFCheckpoint, is_linear_weight
+    from formats.hf import HFCheckpoint, is_linear_weight
     from quant.awq import awq_model
     from quant.gptq import GPTQSettings
     from quant.gptq_model import gptq_model
     from quant.rtn import quantize_rtn
     from quant.smoothquant import rtn_layer, smoothquant_model
-    from quant.types import QuantSpec, dequantized
+    from quant.types import QuantSpec
 
     windows = load_file(str(args.windows))["input_ids"]
     ckpt = HFCheckpoint.open(args.model)
@@ -189,12 +189,22 @@ def worker(argv: list[str]) -> None:
         layers = gptq_model(ckpt, windows, spec, GPTQSettings(act_order=args.method == "gptq-actorder"))
         fitted = {n: r.tensor for layer in layers for n, r in layer.items()}
     seconds = time.perf_counter() - start
-    writer = DenseSafetensorsWriter(args.out / "dense", [(n, ckpt.shape(n)) for n in ckpt.names], torch.float32, ckpt)
+    save_dense(ckpt, fitted, args.out / "dense")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    (args.out / "anchor.json").write_text(json.dumps({"tool": f"quantbench {args.method}", "seconds": seconds, "peak_rss_mb": peak, **extra}))
+
+
+def save_dense(ckpt, fitted: dict, folder: Path) -> None:
+    """The model with the ``fitted`` tensors (payloads by name) in place, as a float32 folder."""
+    import torch
+
+    from formats.hf import DenseSafetensorsWriter
+    from quant.types import dequantized
+
+    writer = DenseSafetensorsWriter(folder, [(n, ckpt.shape(n)) for n in ckpt.names], torch.float32, ckpt)
     for name in ckpt.names:
         writer.add(name, dequantized(fitted.pop(name)) if name in fitted else ckpt.tensor(name))
     writer.finish()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    (args.out / "anchor.json").write_text(json.dumps({"tool": f"quantbench {args.method}", "seconds": seconds, "peak_rss_mb": peak, **extra}))
 
 
 def activation_simulation(model, activations: dict | None):

@@ -27,6 +27,7 @@ from quant.awq import AWQSettings
 from quant.gptq import GPTQSettings
 from quant.kv_cache import KVCacheSpec
 from quant.outliers import OutlierRule
+from quant.qat import QATSettings
 from quant.types import FORMAT_BITS, Architecture, InputError, NumberFormat, QuantSpec
 
 
@@ -172,6 +173,31 @@ class AWQWeights(_Targeted):
         return AWQSettings(weight_term=self.weight_term, clip=self.clip)
 
 
+class QATWeights(_Targeted):
+    """Quantization-aware training of the decoder layers' Linear weights on the calibration text:
+    each layer trained to reproduce the float layer's outputs through the integer grid its
+    exports store, starting from round-to-nearest's or GPTQ's grid (quant/qat.py)."""
+
+    method: Literal["qat"]
+    bits: int = Field(ge=2, le=8)
+    symmetric: bool = False
+    group_size: int | None = Field(default=128, ge=1)  # null: one scale per output channel
+    init: Literal["rtn", "gptq"] = "rtn"
+    steps: int = Field(default=200, ge=1, le=1_000_000)  # per decoder layer
+    lr: float = Field(default=0.02, gt=0, le=1)  # in steps of the grid per optimizer step
+    batch: int = Field(default=2, ge=1)  # calibration windows per step
+    learn_scales: bool = True
+    calibrated: ClassVar[bool] = True
+
+    @property
+    def spec(self) -> QuantSpec:
+        return QuantSpec(self.bits, self.symmetric, "group" if self.group_size else "channel", self.group_size)
+
+    @property
+    def settings(self) -> QATSettings:
+        return QATSettings(steps=self.steps, lr=self.lr, batch=self.batch, learn_scales=self.learn_scales, init=self.init)
+
+
 class GGUFWeights(_Strict):
     """Every tensor encoded as llama.cpp's quantizer would for a GGUF file type."""
 
@@ -235,7 +261,8 @@ _QUANTIZED_EXPORTS = {
 
 class Variant(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)
-    weights: Annotated[Union[RTNWeights, GPTQWeights, AWQWeights, GGUFWeights, SourceWeights], Field(discriminator="method")]
+    weights: Annotated[Union[RTNWeights, GPTQWeights, AWQWeights, QATWeights, GGUFWeights, SourceWeights],
+                       Field(discriminator="method")]
     activations: Activations | None = None
     kv_cache: KVCache | None = None
     exports: list[Literal["safetensors", "gguf", "compressed-tensors", "gptq", "awq", "bitsandbytes"]] = []
@@ -258,8 +285,8 @@ class Variant(_Strict):
             if export not in _QUANTIZED_EXPORTS:
                 continue
             check, holds_group_index = _QUANTIZED_EXPORTS[export]
-            if w.method not in ("rtn", "gptq", "awq"):
-                raise ValueError(f"a {export} export needs rtn, gptq or awq weights, not {w.method}")
+            if w.method not in ("rtn", "gptq", "awq", "qat"):
+                raise ValueError(f"a {export} export needs rtn, gptq, awq or qat weights, not {w.method}")
             if getattr(w, "outliers", None) is not None:
                 raise ValueError(f"a {export} export cannot hold outlier columns kept in 16 bits")
             try:

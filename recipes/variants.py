@@ -177,7 +177,9 @@ def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None,
         layers = smoothquant_model(ckpt, windows, variant.activations.smoothquant, method.layer_quantizer(ckpt, weights))
         label = "SmoothQuant" if variant.activations.smoothquant is not None else "W8A8"
     else:
-        layers, label = method.fit(ckpt, variant, windows), method.pass_label(weights)
+        label = method.pass_label(weights)
+        layers = method.fit(ckpt, variant, windows,
+                            lambda where: progress.update(task, description=f"{variant.name}: {label} {where}"))
     fitted: dict[str, TensorPayload] = {}
     statistics: dict[str, dict] = {}
     errors: dict[str, float] = {}

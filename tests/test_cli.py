@@ -113,7 +113,7 @@ def test_unknown_or_invalid_values(monkeypatch, capsys, tmp_path, weights, fragm
         ({"weights": {"method": "rtn", "bits": 8}, "activations": {"format": "int4"}}, "variants[0](int8).activations.format"),
         ({"weights": {"method": "rtn", "bits": 8}, "activations": {"smoothquant": 1.5}}, "variants[0](int8).activations.smoothquant"),
         ({"weights": {"method": "none"}, "kv_cache": {"format": "q8_0"}}, "variants[0](int8).kv_cache.format"),
-        ({"weights": {"method": "none"}, "exports": ["gptq"]}, "a gptq export needs rtn, gptq or awq weights, not none"),
+        ({"weights": {"method": "none"}, "exports": ["gptq"]}, "a gptq export needs rtn, gptq, awq or qat weights, not none"),
         ({"weights": {"method": "rtn", "bits": 4, "outliers": {}}, "activations": {}}, "outliers (16-bit weight columns) are for weight-only"),
         ({"weights": {"method": "rtn", "bits": 4, "outliers": {"threshold": -1}}}, "variants[0](int8).weights.outliers.threshold"),
     ],

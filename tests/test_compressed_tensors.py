@@ -98,7 +98,7 @@ def test_fp8_weights_export_as_float_quantized(tmp_path, granularity, group_size
 
 
 @pytest.mark.parametrize("weights, activations, message", [
-    ({"method": "gguf", "type": "Q4_K_M"}, None, "needs rtn, gptq or awq weights"),
+    ({"method": "gguf", "type": "Q4_K_M"}, None, "needs rtn, gptq, awq or qat weights"),
     ({"method": "rtn", "bits": 4, "format": "nf4", "granularity": "group", "group_size": 64}, None, "nf4 weights"),
     ({"method": "rtn", "bits": 8, "granularity": "block", "group_size": 32}, None, "granularity 'block' integer weights"),
     ({"method": "rtn", "format": "fp8_e4m3", "granularity": "group", "group_size": 64}, None, "fp8 weights by group"),

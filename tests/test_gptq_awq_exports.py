@@ -93,7 +93,7 @@ def test_gptqmodel_reads_our_awq_file_back_with_its_folded_norms(small_run):
 
 
 @pytest.mark.parametrize("export, weights, activations, message", [
-    ("gptq", {"method": "gguf", "type": "Q8_0"}, None, "a gptq export needs rtn, gptq or awq weights"),
+    ("gptq", {"method": "gguf", "type": "Q8_0"}, None, "a gptq export needs rtn, gptq, awq or qat weights"),
     ("gptq", {"method": "rtn", "bits": 5, "granularity": "group", "group_size": 64}, None, "GPTQ holds int2, int3, int4 and int8"),
     ("gptq", {"method": "rtn", "format": "fp8_e4m3"}, None, "GPTQ holds int2, int3, int4 and int8"),
     ("gptq", {"method": "rtn", "bits": 4, "granularity": "tensor"}, None, "granularity 'tensor'"),

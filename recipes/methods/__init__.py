@@ -48,9 +48,11 @@ class WeightMethod:
         """Whether these weights are fitted layer by layer on calibration text (``fit``)."""
         return False
 
-    def fit(self, ckpt: HFCheckpoint, variant, windows: torch.Tensor) -> Iterator[LayerResult]:
+    def fit(self, ckpt: HFCheckpoint, variant, windows: torch.Tensor,
+            report: Callable[[str], None] | None = None) -> Iterator[LayerResult]:
         """The layer-by-layer pass on the calibration ``windows``: each decoder layer's tensors
-        as the variant stores them, as the layers stream from the checkpoint."""
+        as the variant stores them, as the layers stream from the checkpoint. A long pass may
+        ``report`` where it is (a line for the progress bar: a training loss, say)."""
         raise NotImplementedError
 
     def quantize(self, ckpt: HFCheckpoint, variant, plan: Plan, name: str, tensor: torch.Tensor,
@@ -125,4 +127,4 @@ def _grid_plan(ckpt: HFCheckpoint, variant) -> Plan:
 
 
 # each module registers its method on import
-from recipes.methods import awq, gguf, gptq, rtn, source  # noqa: E402,F401
+from recipes.methods import awq, gguf, gptq, qat, rtn, source  # noqa: E402,F401

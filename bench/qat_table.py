@@ -1,0 +1,160 @@
+"""QAT against RTN and GPTQ on the same calibration windows: does training recover what 2- and
+3-bit post-training quantization loses?
+
+    python bench/qat_table.py --model DIR --calib FILE --eval FILE [--json]
+        [--configs 4:128 3:128 2:64] [--calib-windows 32] [--window 512] [--seed 0]
+        [--eval-windows 16] [--steps 200] [--lr 0.02] [--batch 2]
+
+Every method quantizes the decoder's Linear weights asymmetrically (the grid QAT defaults to) at
+each ``bits:group_size`` config from the same calibration windows, in its own process (so its time
+and peak RSS are its own, the model streaming one decoder layer at a time as in a recipe), and is
+scored against the unquantized model on consecutive 512-token windows of the evaluation text.
+The baseline of each config is GPTQ in the same run: ``Δ/Δgptq`` is QAT's perplexity increase over
+GPTQ's. Prints a table; with ``--json``, a list of rows on stdout, each with ``method`` (``rtn``,
+``gptq``, ``qat``), ``bits``, ``group_size``, ``ppl``, ``ppl_delta``, ``kld``, ``top1``,
+``seconds``, ``peak_rss_mb`` (the unquantized model is the row with method ``none``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ptq_table import load_dense, log, save_dense  # noqa: E402  (bench/ is this script's folder)
+
+METHODS = ("rtn", "gptq", "qat")
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--worker"]:
+        return worker(sys.argv[2:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--calib", type=Path, required=True)
+    parser.add_argument("--eval", type=Path, required=True)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--configs", nargs="+", default=["4:128", "3:128", "2:64"], help="bits:group_size")
+    parser.add_argument("--calib-windows", type=int, default=32)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-windows", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--lr", type=float, default=0.02)
+    parser.add_argument("--batch", type=int, default=2)
+    args = parser.parse_args()
+    configs = [tuple(int(x) for x in c.split(":")) for c in args.configs]
+
+    from safetensors.torch import save_file
+
+    from calib.text import sample_windows, token_windows
+    from evalsuite.metrics import causal_lm_logprobs, score
+    from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
+    from quant.types import InputError
+
+    try:
+        ckpt = HFCheckpoint.open(args.model)
+        tokenizer = load_tokenizer(ckpt)
+        calib = sample_windows(tokenizer, args.calib, args.window, args.calib_windows, args.seed)
+        evaluation = token_windows(tokenizer, args.eval, 512, args.eval_windows)
+    except InputError as e:
+        sys.exit(f"error: {e}")
+    work = Path(tempfile.mkdtemp(prefix="qat_table_"))
+    windows_file = work / "windows.safetensors"
+    save_file({"input_ids": calib.contiguous()}, str(windows_file))
+    log(f"calibration: {len(calib)} windows of {args.window} tokens (seed {args.seed}); evaluation: {len(evaluation)} windows of 512")
+
+    reference = causal_lm_logprobs(load_causal_lm(ckpt))
+    base = score(reference, evaluation)
+    rows = [dict(method="none", bits=16, group_size=None, ppl=base.ppl, ppl_delta=0.0, kld=0.0, top1=1.0,
+                 seconds=None, peak_rss_mb=None)]
+    for bits, group in configs:
+        for method in METHODS:
+            out = work / f"{method}-w{bits}g{group}"
+            run = run_worker(method, bits, group, args, windows_file, out)
+            if run is None:
+                continue
+            s = score(causal_lm_logprobs(load_dense(out / "dense")), evaluation, reference)
+            rows.append(dict(method=method, bits=bits, group_size=group, ppl=s.ppl, ppl_delta=s.ppl - base.ppl, kld=s.kld,
+                             top1=s.top1, seconds=run["seconds"], peak_rss_mb=run["peak_rss_mb"]))
+            log(f"{method} w{bits}g{group}: ppl {s.ppl:.3f} ({s.ppl - base.ppl:+.3f}), kld {s.kld:.4f}, "
+                f"{run['seconds']:.1f} s, {run['peak_rss_mb']:.0f} MiB")
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print_table(rows, args)
+
+
+def run_worker(method: str, bits: int, group: int, args, windows_file: Path, out: Path) -> dict | None:
+    cmd = [sys.executable, __file__, "--worker", method, "--model", str(args.model), "--windows", str(windows_file),
+           "--bits", str(bits), "--group-size", str(group), "--out", str(out), "--steps", str(args.steps),
+           "--lr", str(args.lr), "--batch", str(args.batch)]
+    done = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        log(f"{method} w{bits}g{group} failed:\n{done.stderr[-3000:]}")
+        return None
+    return json.loads((out / "run.json").read_text())
+
+
+def worker(argv: list[str]) -> None:
+    """One method in this process: writes out/dense (float32) and out/run.json."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("method", choices=METHODS)
+    for flag in ("--model", "--windows", "--out"):
+        parser.add_argument(flag, type=Path, required=True)
+    for flag in ("--bits", "--group-size", "--steps", "--batch"):
+        parser.add_argument(flag, type=int, required=True)
+    parser.add_argument("--lr", type=float, required=True)
+    args = parser.parse_args(argv)
+
+    from safetensors.torch import load_file
+
+    from formats.hf import HFCheckpoint, is_linear_weight
+    from quant.gptq_model import gptq_model
+    from quant.qat import QATSettings, qat_model
+    from quant.rtn import quantize_rtn
+    from quant.types import QuantSpec
+
+    windows = load_file(str(args.windows))["input_ids"]
+    ckpt = HFCheckpoint.open(args.model)
+    spec = QuantSpec(args.bits, False, "group", args.group_size)
+    start = time.perf_counter()
+    if args.method == "rtn":
+        fitted = {n: quantize_rtn(ckpt.tensor(n).float(), spec, n) for n in ckpt.names
+                  if n.startswith("model.layers.") and is_linear_weight(n, ckpt.shape(n))}
+    elif args.method == "gptq":
+        fitted = {n: r.tensor for layer in gptq_model(ckpt, windows, spec) for n, r in layer.items()}
+    else:
+        settings = QATSettings(steps=args.steps, lr=args.lr, batch=args.batch)
+        fitted = {n: p for layer in qat_model(ckpt, windows, spec, settings) for n, p in layer.tensors.items()}
+    seconds = time.perf_counter() - start
+    save_dense(ckpt, fitted, args.out / "dense")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    (args.out / "run.json").write_text(json.dumps({"seconds": seconds, "peak_rss_mb": peak}))
+
+
+def print_table(rows: list[dict], args) -> None:
+    print(f"model {args.model}, calibration {args.calib_windows} x {args.window} tokens (seed {args.seed}), "
+          f"QAT {args.steps} steps per layer, lr {args.lr:g}, batch {args.batch}; all grids asymmetric")
+    print(f"{'method':<8}{'bits':>5}{'group':>6}{'ppl':>10}{'Δppl':>9}{'Δ/Δgptq':>9}{'KLD':>9}{'top-1':>8}{'s':>8}{'MiB':>7}")
+    gptq = {(r["bits"], r["group_size"]): r["ppl_delta"] for r in rows if r["method"] == "gptq"}
+    for r in rows:
+        base = gptq.get((r["bits"], r["group_size"]))
+        ratio = f"{r['ppl_delta'] / base:.2f}" if base else ""
+        group = "" if r["group_size"] is None else str(r["group_size"])
+        secs = "" if r["seconds"] is None else f"{r['seconds']:.1f}"
+        rss = "" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
+        print(f"{r['method']:<8}{r['bits']:>5}{group:>6}{r['ppl']:>10.3f}{r['ppl_delta']:>+9.3f}{ratio:>9}"
+              f"{r['kld']:>9.4f}{r['top1']:>8.3f}{secs:>8}{rss:>7}")
+
+
+if __name__ == "__main__":
+    main()
