@@ -12,7 +12,10 @@ scored against the unquantized model on consecutive 512-token windows of the eva
 The baseline of each config is GPTQ in the same run: ``Δ/Δgptq`` is QAT's perplexity increase over
 GPTQ's. Prints a table; with ``--json``, a list of rows on stdout, each with ``method`` (``rtn``,
 ``gptq``, ``qat``), ``bits``, ``group_size``, ``ppl``, ``ppl_delta``, ``kld``, ``top1``,
-``seconds``, ``peak_rss_mb`` (the unquantized model is the row with method ``none``).
+``seconds``, ``peak_rss_mb`` (the unquantized model is the row with method ``none``). With
+``--gguf``, three more rows (``bits`` null): a QAT model on Q4_0's grid as a GGUF file and
+llama.cpp's own Q4_0 and Q4_K_M of the original, each with llama.cpp's perplexity on the
+evaluation windows (``ppl``) and its ``file_mb``.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--gguf", action="store_true", help="also: a Q4_0 QAT file against llama.cpp's Q4_0 and Q4_K_M, in llama.cpp")
     args = parser.parse_args()
     configs = [tuple(int(x) for x in c.split(":")) for c in args.configs]
 
@@ -87,10 +91,63 @@ def main() -> None:
                              top1=s.top1, seconds=run["seconds"], peak_rss_mb=run["peak_rss_mb"]))
             log(f"{method} w{bits}g{group}: ppl {s.ppl:.3f} ({s.ppl - base.ppl:+.3f}), kld {s.kld:.4f}, "
                 f"{run['seconds']:.1f} s, {run['peak_rss_mb']:.0f} MiB")
+    if args.gguf:
+        rows += gguf_rows(args, work, evaluation)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
         print_table(rows, args)
+
+
+def gguf_rows(args, work: Path, evaluation) -> list[dict]:
+    """A QAT model on Q4_0's grid as a GGUF file, against llama.cpp's own Q4_0 and Q4_K_M of the
+    original (our GGUF writer's files are byte-identical to llama.cpp's quantizer's), each scored
+    by llama.cpp (llama-cpp-python) on the evaluation windows: perplexity and file size."""
+    import yaml
+    from rich.console import Console
+
+    from recipes.pipeline import run_recipe
+    from recipes.schema import load_recipe
+
+    recipe = {"model": str(args.model.resolve()),
+              "evaluation": {"text": str(args.eval.resolve()), "window": 512, "max_windows": 2},
+              "calibration": {"text": str(args.calib.resolve()), "window": args.window, "max_windows": args.calib_windows,
+                              "seed": args.seed},
+              "variants": [{"name": "qat-q4_0", "exports": ["gguf"],
+                            "weights": {"method": "qat", "gguf": "Q4_0", "steps": args.steps, "lr": args.lr, "batch": args.batch}},
+                           {"name": "q4_0", "weights": {"method": "gguf", "type": "Q4_0"}, "exports": ["gguf"]},
+                           {"name": "q4_k_m", "weights": {"method": "gguf", "type": "Q4_K_M"}, "exports": ["gguf"]}]}
+    path = work / "gguf.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    start = time.perf_counter()
+    run_recipe(load_recipe(path), work / "gguf", Console(stderr=True, quiet=True))
+    log(f"GGUF variants built in {time.perf_counter() - start:.0f} s")
+    rows = []
+    for name in ("qat-q4_0", "q4_0", "q4_k_m"):
+        (gguf,) = (work / "gguf" / name).glob("*.gguf")
+        ppl = llama_cpp_perplexity(gguf, evaluation)
+        rows.append(dict(method=f"llama.cpp {name}", bits=None, group_size=None, ppl=ppl, ppl_delta=None, kld=None,
+                         top1=None, seconds=None, peak_rss_mb=None, file_mb=gguf.stat().st_size / 1e6))
+        log(f"llama.cpp {name}: ppl {ppl:.3f}, {gguf.stat().st_size / 1e6:.2f} MB")
+    return rows
+
+
+def llama_cpp_perplexity(gguf: Path, evaluation) -> float:
+    import math
+
+    import numpy as np
+    import torch
+    from llama_cpp import Llama
+
+    width = evaluation.shape[1]
+    llm = Llama(model_path=str(gguf), n_ctx=width, n_batch=width, logits_all=True, verbose=False)
+    nll = 0.0
+    for window in evaluation.tolist():
+        llm.reset()
+        llm.eval(window)
+        logits = torch.tensor(np.asarray(llm.scores[: width - 1]), dtype=torch.float64)
+        nll -= torch.log_softmax(logits, -1)[torch.arange(width - 1), torch.tensor(window[1:])].sum().item()
+    return math.exp(nll / (evaluation.shape[0] * (width - 1)))
 
 
 def run_worker(method: str, bits: int, group: int, args, windows_file: Path, out: Path) -> dict | None:
@@ -152,6 +209,9 @@ def print_table(rows: list[dict], args) -> None:
         group = "" if r["group_size"] is None else str(r["group_size"])
         secs = "" if r["seconds"] is None else f"{r['seconds']:.1f}"
         rss = "" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
+        if r["bits"] is None:  # a GGUF file scored by llama.cpp
+            print(f"{r['method']:<22}{r['ppl']:>10.3f}  {r['file_mb']:.2f} MB")
+            continue
         print(f"{r['method']:<8}{r['bits']:>5}{group:>6}{r['ppl']:>10.3f}{r['ppl_delta']:>+9.3f}{ratio:>9}"
               f"{r['kld']:>9.4f}{r['top1']:>8.3f}{secs:>8}{rss:>7}")
 

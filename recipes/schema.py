@@ -175,13 +175,16 @@ class AWQWeights(_Targeted):
 
 class QATWeights(_Targeted):
     """Quantization-aware training of the decoder layers' Linear weights on the calibration text:
-    each layer trained to reproduce the float layer's outputs through the integer grid its
-    exports store, starting from round-to-nearest's or GPTQ's grid (quant/qat.py)."""
+    each layer trained to reproduce the float layer's outputs through the grid its exports store,
+    starting from round-to-nearest's or GPTQ's grid (quant/qat.py). The grid is integer
+    (``bits``, ``symmetric``, ``group_size``), or a GGUF type's (``gguf: Q4_0``: blocks of 32,
+    symmetric 4-bit), written into a GGUF file as trained."""
 
     method: Literal["qat"]
-    bits: int = Field(ge=2, le=8)
+    bits: int | None = Field(default=None, ge=2, le=8)
     symmetric: bool = False
     group_size: int | None = Field(default=128, ge=1)  # null: one scale per output channel
+    gguf: Literal["Q4_0"] | None = None
     init: Literal["rtn", "gptq"] = "rtn"
     steps: int = Field(default=200, ge=1, le=1_000_000)  # per decoder layer
     lr: float = Field(default=0.02, gt=0, le=1)  # in steps of the grid per optimizer step
@@ -189,8 +192,19 @@ class QATWeights(_Targeted):
     learn_scales: bool = True
     calibrated: ClassVar[bool] = True
 
+    @model_validator(mode="after")
+    def _one_grid(self) -> "QATWeights":
+        if self.gguf is None and self.bits is None:
+            raise ValueError("bits is required (or gguf: Q4_0)")
+        given = sorted(self.model_fields_set & {"bits", "symmetric", "group_size"})
+        if self.gguf is not None and given:
+            raise ValueError(f"gguf: {self.gguf} fixes the grid (4 bits, symmetric, blocks of 32): leave out {', '.join(given)}")
+        return self
+
     @property
     def spec(self) -> QuantSpec:
+        if self.gguf is not None:
+            return QuantSpec(4, True, "group", 32)
         return QuantSpec(self.bits, self.symmetric, "group" if self.group_size else "channel", self.group_size)
 
     @property
@@ -273,8 +287,11 @@ class Variant(_Strict):
 
     @model_validator(mode="after")
     def _gguf_needs_gguf_weights(self) -> "Variant":
-        if "gguf" in self.exports and self.weights.method != "gguf":
-            raise ValueError("a gguf export needs 'weights: {method: gguf, type: ...}'")
+        w = self.weights
+        if "gguf" in self.exports and w.method != "gguf" and not (w.method == "qat" and w.gguf):
+            raise ValueError("a gguf export needs 'weights: {method: gguf, type: ...}' (or {method: qat, gguf: Q4_0})")
+        if self.weights.method == "qat" and w.gguf and any(e in _QUANTIZED_EXPORTS for e in self.exports):
+            raise ValueError(f"qat weights on the {w.gguf} grid export as gguf (and safetensors)")
         return self
 
     @model_validator(mode="after")

@@ -140,7 +140,7 @@ def _writer(export: str, path: Path, ckpt: HFCheckpoint, variant: Variant, plan:
         return BitsAndBytesWriter(path, ckpt, plan.names, plan.quantized, weights.spec)
     if export == "gguf":
         gguf_plan = [(n, ckpt.shape(n), plan.ggml_types[n]) for n in plan.names]
-        return GGUFFileWriter(path, ckpt, FILE_TYPES[weights.type].id, gguf_plan)
+        return GGUFFileWriter(path, ckpt, FILE_TYPES[method_of(weights).gguf_type(weights)].id, gguf_plan)
     write_modelfile(path, files["gguf"].name, ckpt)
     return None
 
@@ -151,7 +151,7 @@ def export_paths(ckpt: HFCheckpoint, variant: Variant, out_dir: Path, gguf_path:
     vdir = out_dir / variant.name
     paths = {export: vdir / export for export in FOLDER_EXPORTS if export in variant.exports}
     if "gguf" in variant.exports:
-        gguf = gguf_path or vdir / f"{ckpt.path.name}-{variant.weights.type}.gguf"
+        gguf = gguf_path or vdir / f"{ckpt.path.name}-{method_of(variant.weights).gguf_type(variant.weights)}.gguf"
         paths["gguf"] = gguf
         paths["modelfile"] = gguf.with_name(modelfile_name(gguf.name))
     return paths

@@ -84,6 +84,8 @@ def test_the_export_holds_exactly_the_trained_grid(tmp_path):
 @pytest.mark.parametrize("weights, message", [
     ({"method": "qat", "bits": 2, "steps": 0}, "weights.steps': Input should be greater than or equal to 1"),
     ({"method": "qat", "bits": 4, "group_size": 100}, "group_size 100 does not divide the input size"),
+    ({"method": "qat", "gguf": "Q4_0", "bits": 4}, "gguf: Q4_0 fixes the grid (4 bits, symmetric, blocks of 32): leave out bits"),
+    ({"method": "qat"}, "bits is required (or gguf: Q4_0)"),
 ])
 def test_bad_qat_settings_stop_the_job_in_one_line(tmp_path, weights, message):
     recipe = {"model": str(TINY), "evaluation": {"text": str(EVAL_TEXT)}, "calibration": {"text": str(BUNDLED / "calib.txt")},
@@ -99,3 +101,45 @@ def test_a_gguf_export_of_qat_weights_is_refused(tmp_path):
               "variants": [{"name": "q", "weights": {"method": "qat", "bits": 4}, "exports": ["gguf"]}]}
     run = subprocess.run([sys.executable, "-m", "recipes.cli", str(write_recipe(tmp_path, recipe))], capture_output=True, text=True)
     assert run.returncode == 2 and "a gguf export needs 'weights: {method: gguf" in run.stderr
+
+
+def test_a_q4_0_qat_file_holds_the_trained_blocks_and_runs_in_llama_cpp(tmp_path):
+    import math
+
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from rich.console import Console
+    from safetensors.torch import load_file
+
+    from recipes.pipeline import run_recipe
+    from recipes.schema import load_recipe
+
+    recipe = {"model": str(TINY), "evaluation": {"text": str(EVAL_TEXT), "window": 128, "max_windows": 4},
+              "calibration": {"text": str(BUNDLED / "calib.txt"), "window": 128, "max_windows": 4},
+              "variants": [{"name": "qat-q4_0", "weights": {"method": "qat", "gguf": "Q4_0", "steps": 10},
+                            "exports": ["gguf", "safetensors"]}]}
+    out = tmp_path / "out"
+    report = run_recipe(load_recipe(write_recipe(tmp_path, recipe)), out, Console(quiet=True))
+    row = report.rows[1]
+    assert row.method == "qat Q4_0 from rtn, 10 steps" and len(row.linear_errors) == 42
+    gguf_file = out / "qat-q4_0" / "tiny-Q4_0.gguf"
+    evaluated = load_file(out / "qat-q4_0" / "safetensors" / "model.safetensors")
+    tensors = {t.name: t for t in GGUFReader(gguf_file).tensors}
+    for gguf_name, hf_name in [("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight"),
+                               ("blk.3.attn_v.weight", "model.layers.3.self_attn.v_proj.weight"),
+                               ("blk.5.attn_output.weight", "model.layers.5.self_attn.o_proj.weight")]:
+        t = tensors[gguf_name]
+        assert t.tensor_type.name == "Q4_0"
+        blocks = torch.from_numpy(np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(evaluated[hf_name].shape)
+        assert torch.equal(blocks, evaluated[hf_name]), gguf_name  # the trained grid, block for block
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is the 'interop' extra (make test installs it)")
+    windows = token_windows(load_tokenizer(HFCheckpoint.open(TINY)), EVAL_TEXT, 128, 4).numpy()
+    llm = llama_cpp.Llama(model_path=str(gguf_file), n_ctx=128, n_batch=128, logits_all=True, verbose=False, n_threads=2)
+    nll = 0.0
+    for w in windows:
+        llm.reset()
+        llm.eval(w.tolist())
+        logits = torch.tensor(np.asarray(llm.scores[: len(w) - 1]), dtype=torch.float64)
+        nll -= torch.log_softmax(logits, -1)[torch.arange(len(w) - 1), torch.from_numpy(w[1:])].sum().item()
+    assert math.exp(nll / (windows.shape[0] * (windows.shape[1] - 1))) == pytest.approx(row.scores.ppl, rel=0.02)

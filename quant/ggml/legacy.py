@@ -64,6 +64,15 @@ def quantize_q5_1(x: np.ndarray, qw: np.ndarray) -> np.ndarray:
     return _quantize(x, qw, 24, _encode_q5_1)
 
 
+def q4_0_from_levels(levels: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Q4_0 bytes of a grid chosen elsewhere (quantization-aware training): ``levels [rows, n]``
+    in 0..15 with one scale ``d [rows, n/32]`` per block, the value of each ``(q − 8)·d``, stored as
+    they are rather than searched again."""
+    rows, n = levels.shape
+    blocks = _element_major(levels.astype(np.uint8))
+    return np.concatenate([_f16_bytes(np.asarray(d, dtype=_F32)), _nibbles(blocks)], axis=2).reshape(rows, -1)
+
+
 # ------------------------------------------------------------------------------------------------
 # Driver
 

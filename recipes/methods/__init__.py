@@ -42,7 +42,7 @@ class WeightMethod:
 
     def plan(self, ckpt: HFCheckpoint, variant, imatrix: bool) -> Plan:
         """The tensors the variant writes, checked against the model's shapes; reads no data."""
-        return _grid_plan(ckpt, variant)
+        return grid_plan(ckpt, variant)
 
     def fits(self, weights) -> bool:
         """Whether these weights are fitted layer by layer on calibration text (``fit``)."""
@@ -64,6 +64,10 @@ class WeightMethod:
         """The weight pass on one smoothed decoder layer, for variants with quantized activations
         (quant/smoothquant.py: ``LayerQuantizer``)."""
         raise InputError(f"activations need rtn or gptq weights, not {weights.method}")
+
+    def gguf_type(self, weights) -> str | None:
+        """The GGUF file type the weights are encoded as, for a GGUF export (None: not GGUF)."""
+        return None
 
     def describe(self, weights) -> str:
         return weights.method
@@ -102,7 +106,7 @@ def finite(ckpt: HFCheckpoint, name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _grid_plan(ckpt: HFCheckpoint, variant) -> Plan:
+def grid_plan(ckpt: HFCheckpoint, variant) -> Plan:
     """Every tensor in checkpoint order; the chosen decoder Linears' weights quantized on the
     weights' grid, whose groups or blocks must divide their shapes."""
     spec = variant.weights.spec

@@ -9,17 +9,30 @@ from quant.ggml import encode, tensor_types
 from recipes.methods import Plan, WeightMethod, register
 
 
+def gguf_plan(ckpt, variant, file_type: str, imatrix: bool) -> Plan:
+    """Every tensor's ggml type for ``file_type`` (llama.cpp's mixture), in the GGUF file's tensor
+    order when the variant writes a GGUF file."""
+    names = ckpt.names
+    if "gguf" in variant.exports:
+        architecture_of(ckpt)
+        names = sorted((n for n in names if gguf_name(n) is not None), key=lambda n: gguf_order(gguf_name(n)))
+    return Plan(names, tensor_types(file_type, [(n, ckpt.shape(n)) for n in names], ckpt.arch, imatrix))
+
+
+def gguf_encode(plan: Plan, name: str, tensor, imatrix) -> object:
+    return encode(tensor, plan.ggml_types[name], name, imatrix.get(name) if imatrix else None)
+
+
 @register("gguf")
 class GGUF(WeightMethod):
     def plan(self, ckpt, variant, imatrix: bool) -> Plan:
-        names = ckpt.names
-        if "gguf" in variant.exports:
-            architecture_of(ckpt)
-            names = sorted((n for n in names if gguf_name(n) is not None), key=lambda n: gguf_order(gguf_name(n)))
-        return Plan(names, tensor_types(variant.weights.type, [(n, ckpt.shape(n)) for n in names], ckpt.arch, imatrix))
+        return gguf_plan(ckpt, variant, variant.weights.type, imatrix)
 
     def quantize(self, ckpt, variant, plan, name, tensor, imatrix):
-        return encode(tensor, plan.ggml_types[name], name, imatrix.get(name) if imatrix else None)
+        return gguf_encode(plan, name, tensor, imatrix)
+
+    def gguf_type(self, weights) -> str:
+        return weights.type
 
     def describe(self, weights) -> str:
         return f"gguf {weights.type}" + (" imatrix" if weights.imatrix else "")
