@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--calib", type=Path, required=True)
     parser.add_argument("--eval", type=Path, required=True)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--configs", nargs="+", default=["4:128", "3:128", "2:64"], help="bits:group_size")
+    parser.add_argument("--configs", nargs="*", default=["4:128", "3:128", "2:64"], help="bits:group_size (none: only --gguf)")
     parser.add_argument("--calib-windows", type=int, default=32)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)

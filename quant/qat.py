@@ -7,8 +7,8 @@ columns, with straight-through gradients for the rounding (the weights ``w`` lea
 between levels) and, with ``learn_scales``, for the scales ``s`` too (LSQ: the step size is a
 parameter trained through the rounding). Zero-points stay the integers they started at, and the
 scales are seen as fp16, as every integer checkpoint stores them, so the trained layer computes
-exactly what its export dequantizes to. The grid starts from round-to-nearest or from GPTQ's
-solution (weights and scales), so training can only move from there toward a smaller error.
+exactly what its export dequantizes to. Training starts from round-to-nearest's grid or from
+GPTQ's solution (its weights and scales).
 
 Layers stream from the checkpoint as in GPTQ's walk (``calib.streaming``): one decoder layer is
 in memory at a time, with its calibration inputs and the float layer's outputs on them.
@@ -51,8 +51,8 @@ def qat_model(ckpt: HFCheckpoint, windows: torch.Tensor, spec: QuantSpec, settin
     layer by layer as the layers stream from the checkpoint; one ``LayerResult`` per layer: the
     quantized weights as trained and each one's relative output error on the calibration inputs
     against the float layer (quant/error.py). ``on_step(layer, step, loss)`` follows training."""
-    if spec.format != "int":
-        raise InputError(f"QAT trains integer grids, not {spec.format}")
+    if spec.format != "int" or spec.granularity not in ("group", "channel"):
+        raise InputError(f"QAT trains integer grids by group or channel, not {spec.label}")
     if settings.steps < 1:
         raise InputError("QAT needs at least one training step")
     for step in walk_layers(ckpt, skeleton(ckpt), windows):
@@ -74,7 +74,7 @@ def qat_layer(step: LayerStep, spec: QuantSpec, settings: QATSettings, modules: 
     grids = _initial_grids(step, linears, hessians, spec, settings)
     weights = {n: g.dequantize().to(floats[n].device) if settings.init == "gptq" else floats[n].clone()
                for n, g in grids.items()}
-    trained = _train(layer, inputs, targets, linears, weights, grids, spec, settings,
+    trained = _train(layer, inputs, targets, weights, grids, spec, settings,
                      lambda i, loss: on_step(base, i, loss) if on_step else None)
     results, errors = {}, {}
     for n, tensor in trained.items():
@@ -131,12 +131,11 @@ class _Grid(torch.nn.Module):
                                self.zeros.squeeze(-1).contiguous())
 
 
-def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, linears: dict, weights: dict, grids: dict,
+def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict, grids: dict,
            spec: QuantSpec, settings: QATSettings, on_step) -> dict[str, QuantizedTensor]:
-    """AdamW on the mean squared error of the layer's outputs, a batch of windows per step."""
-    if spec.granularity not in ("group", "channel"):
-        raise InputError(f"QAT trains group or channel grids, not {spec.granularity}")
-    trainable = {n: _Grid(weights[n], grids[n], spec, settings.learn_scales) for n in linears}
+    """AdamW on the mean squared error of the layer's outputs, a batch of windows per step, over
+    the named Linears' ``weights`` on their starting ``grids``."""
+    trainable = {n: _Grid(weights[n], grids[n], spec, settings.learn_scales) for n in grids}
     params = [p for g in trainable.values() for p in g.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
