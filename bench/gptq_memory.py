@@ -1,4 +1,5 @@
-"""Peak memory of GPTQ W4 g128 on a 1B-parameter checkpoint streamed one decoder layer at a time.
+"""Peak memory of GPTQ W4 g128 (or QAT's layer phase) on a 1B-parameter checkpoint streamed one
+decoder layer at a time.
 
 Makes a synthetic checkpoint of TinyLlama-1.1B's shape (random bf16 weights, 2.2 GB on disk, 1.10B
 parameters: hidden 2048, FFN 5632, 22 layers, 32 query / 4 key-value heads, vocab 32000), then runs
@@ -12,7 +13,12 @@ GPTQ of a 1B layer takes minutes on 2 cores, so ``--layers N`` (default 3) stops
 layers; every layer has the same shapes, so the peak is reached by then (the peak after each layer
 is printed to show it). ``--layers 22`` runs the whole model.
 
-    python bench/gptq_memory.py [--layers N] [--keep DIR]
+``--method qat`` runs QAT's layer-by-layer phase (``quant.qat``, W4 g128 asymmetric) instead, for
+``--qat-steps`` optimizer steps per layer (default 5): its memory is the float layer, the
+calibration inputs and the float layer's outputs on them, the trainable weights with AdamW's two
+moments, and one batch's activations for the backward pass, all there from the first step.
+
+    python bench/gptq_memory.py [--method gptq|qat] [--layers N] [--qat-steps N] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -41,22 +47,28 @@ CONFIG = {
 WINDOWS, WINDOW = 32, 512
 LIMIT_MIB = 4096
 
-# Runs the streaming GPTQ over the first N layers, printing progress on stderr, then one JSON line:
+# Runs the streaming GPTQ (or QAT) over the first N layers, printing progress on stderr, then one JSON line:
 # [own peak RSS KiB, largest worker peak RSS KiB, seconds, layers done, bytes of the payloads handed out].
-_GPTQ_AND_REPORT_PEAKS = """
+_WALK_AND_REPORT_PEAKS = """
 import itertools, json, resource, sys, time
 import torch
 from formats.hf import HFCheckpoint
 from quant.gptq_model import gptq_model
 from quant.types import QuantSpec
 
-model, layers, windows, window = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+from quant.qat import QATSettings, qat_model
+
+model, layers, windows, window, method, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
 ckpt = HFCheckpoint.open(model)
 ids = torch.randint(0, ckpt.config["vocab_size"], (windows, window), generator=torch.Generator().manual_seed(0))
 peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 start, done, payload = time.perf_counter(), 0, 0
-for results in itertools.islice(gptq_model(ckpt, ids, QuantSpec(4, True, "group", 128)), layers):
-    payload += sum(t.nbytes for r in results.values() for t in (r.tensor.codes, r.tensor.scales, r.tensor.zeros))
+if method == "gptq":
+    walk = ({n: r.tensor for n, r in results.items()} for results in gptq_model(ckpt, ids, QuantSpec(4, True, "group", 128)))
+else:
+    walk = (layer.tensors for layer in qat_model(ckpt, ids, QuantSpec(4, False, "group", 128), QATSettings(steps=steps)))
+for results in itertools.islice(walk, layers):
+    payload += sum(t.nbytes for r in results.values() if hasattr(r, "codes") for t in (r.codes, r.scales, r.zeros))
     done += 1
     print(f"layer {done - 1}: {time.perf_counter() - start:.0f} s, peak RSS so far {peak() / 1024:.0f} MiB", file=sys.stderr, flush=True)
 seconds = time.perf_counter() - start
@@ -68,6 +80,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=3, help="decoder layers to quantize before the walk stops (default 3 of 22)")
     parser.add_argument("--keep", type=Path, help="keep the synthetic checkpoint here (reused when present)")
+    parser.add_argument("--method", choices=["gptq", "qat"], default="gptq")
+    parser.add_argument("--qat-steps", type=int, default=5, help="QAT's optimizer steps per layer")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="gptq_memory_"))
@@ -77,14 +91,16 @@ def main() -> None:
         params = make_checkpoint(model, CONFIG)
         print(f"synthetic checkpoint: {params / 1e9:.2f}B params in {time.perf_counter() - start:.0f} s")
     size = sum(p.stat().st_size for p in model.glob("*.safetensors"))
-    cmd = [sys.executable, "-c", _GPTQ_AND_REPORT_PEAKS, str(model), str(args.layers), str(WINDOWS), str(WINDOW)]
+    cmd = [sys.executable, "-c", _WALK_AND_REPORT_PEAKS, str(model), str(args.layers), str(WINDOWS), str(WINDOW),
+           args.method, str(args.qat_steps)]
     done = subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.PIPE, text=True)
     own_kb, workers_kb, seconds, layers, payload = json.loads(done.stdout.strip().splitlines()[-1])
     peak_mb = (own_kb + workers_kb) / 1024
     total = CONFIG["num_hidden_layers"]
     print(f"checkpoint on disk: {size / 2**20:.0f} MiB bf16; the whole model in float32 (as loading it for "
           f"calibration used to take): {2 * size / 2**20:.0f} MiB")
-    print(f"GPTQ W4 g128 sym, {WINDOWS} windows of {WINDOW} tokens: quantized {layers} of {total} decoder layers "
+    what = "GPTQ W4 g128 sym" if args.method == "gptq" else f"QAT's layer phase W4 g128 asym, {args.qat_steps} steps per layer"
+    print(f"{what}, {WINDOWS} windows of {WINDOW} tokens: quantized {layers} of {total} decoder layers "
           f"(the walk stops there), {seconds:.0f} s ({seconds / max(layers, 1):.0f} s per layer)")
     print(f"payloads handed out: {payload / 2**20:.0f} MiB for {layers} layers, dropped here; a recipe keeps them "
           f"until its export, about {payload / max(layers, 1) * total / 2**20:.0f} MiB for all {total}")

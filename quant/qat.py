@@ -72,7 +72,7 @@ def qat_layer(step: LayerStep, spec: QuantSpec, settings: QATSettings, modules: 
     hessians = {n: s.hessian for n, s in input_statistics(layer, inputs, list(linears)).items()}
     targets = run_layer(layer, inputs).clone()  # what the float layer computes on these inputs
     grids = _initial_grids(step, linears, hessians, spec, settings)
-    weights = {n: g.dequantize().to(floats[n].device) if settings.init == "gptq" else floats[n].clone()
+    weights = {n: g.dequantize().to(floats[n].device) if settings.init == "gptq" else floats[n]  # read, not changed
                for n, g in grids.items()}
     trained = _train(layer, inputs, targets, weights, grids, spec, settings,
                      lambda i, loss: on_step(base, i, loss) if on_step else None)
