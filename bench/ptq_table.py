@@ -57,16 +57,9 @@ def main() -> None:
     if sys.argv[1:2] == ["--worker"]:
         return worker(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--calib", type=Path, required=True)
-    parser.add_argument("--eval", type=Path, required=True)
-    parser.add_argument("--json", action="store_true")
+    add_window_arguments(parser, calib_windows=128, eval_windows=None)
     parser.add_argument("--bits", type=int, nargs="+", default=[4, 3])
     parser.add_argument("--group-size", type=int, default=128)
-    parser.add_argument("--calib-windows", type=int, default=128)
-    parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-windows", type=int, default=None)
     parser.add_argument("--methods", nargs="+", default=[*OURS, *ANCHORS], choices=[*OURS, *ANCHORS])
     parser.add_argument("--work", type=Path, default=None, help="keep windows and outputs here; reuse finished methods")
     args = parser.parse_args()
@@ -74,18 +67,10 @@ def main() -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from calib.text import sample_windows, token_windows
     from evalsuite.metrics import causal_lm_logprobs, score
-    from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
-    from quant.types import InputError
+    from formats.hf import load_causal_lm
 
-    try:
-        ckpt = HFCheckpoint.open(args.model)
-        tokenizer = load_tokenizer(ckpt)
-        calib = sample_windows(tokenizer, args.calib, args.window, args.calib_windows, args.seed)
-        evaluation = token_windows(tokenizer, args.eval, 512, args.eval_windows)
-    except InputError as e:
-        sys.exit(f"error: {e}")
+    ckpt, calib, evaluation = open_windows(args)
     work = args.work or Path(tempfile.mkdtemp(prefix="ptq_table_"))
     work.mkdir(parents=True, exist_ok=True)
     windows_file = work / "windows.safetensors"
@@ -119,6 +104,36 @@ def main() -> None:
         print(json.dumps(rows, indent=1))
     else:
         print_table(rows, args)
+
+
+def add_window_arguments(parser: argparse.ArgumentParser, calib_windows: int, eval_windows: int | None) -> None:
+    """The model, its texts and the windows drawn from them, as every table of methods takes them."""
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--calib", type=Path, required=True)
+    parser.add_argument("--eval", type=Path, required=True)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--calib-windows", type=int, default=calib_windows)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-windows", type=int, default=eval_windows)
+
+
+def open_windows(args):
+    """The checkpoint, ``--calib-windows`` windows of ``--window`` tokens drawn with ``--seed``
+    from the calibration text, and consecutive 512-token windows of the evaluation text; a bad
+    path or text exits with its one-line error."""
+    from calib.text import sample_windows, token_windows
+    from formats.hf import HFCheckpoint, load_tokenizer
+    from quant.types import InputError
+
+    try:
+        ckpt = HFCheckpoint.open(args.model)
+        tokenizer = load_tokenizer(ckpt)
+        calib = sample_windows(tokenizer, args.calib, args.window, args.calib_windows, args.seed)
+        evaluation = token_windows(tokenizer, args.eval, 512, args.eval_windows)
+    except InputError as e:
+        sys.exit(f"error: {e}")
+    return ckpt, calib, evaluation
 
 
 def run_method(method: str, bits: int, args, windows_file: Path, out: Path) -> dict | None:

@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ptq_table import load_dense, log, save_dense  # noqa: E402  (bench/ is this script's folder)
+from ptq_table import add_window_arguments, load_dense, log, open_windows, save_dense  # noqa: E402  (bench/ is this script's folder)
 
 METHODS = ("rtn", "gptq", "qat")
 
@@ -41,15 +41,8 @@ def main() -> None:
     if sys.argv[1:2] == ["--worker"]:
         return worker(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--calib", type=Path, required=True)
-    parser.add_argument("--eval", type=Path, required=True)
-    parser.add_argument("--json", action="store_true")
+    add_window_arguments(parser, calib_windows=32, eval_windows=16)
     parser.add_argument("--configs", nargs="*", default=["4:128", "3:128", "2:64"], help="bits:group_size (none: only --gguf)")
-    parser.add_argument("--calib-windows", type=int, default=32)
-    parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--batch", type=int, default=2)
@@ -59,18 +52,10 @@ def main() -> None:
 
     from safetensors.torch import save_file
 
-    from calib.text import sample_windows, token_windows
     from evalsuite.metrics import causal_lm_logprobs, score
-    from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
-    from quant.types import InputError
+    from formats.hf import load_causal_lm
 
-    try:
-        ckpt = HFCheckpoint.open(args.model)
-        tokenizer = load_tokenizer(ckpt)
-        calib = sample_windows(tokenizer, args.calib, args.window, args.calib_windows, args.seed)
-        evaluation = token_windows(tokenizer, args.eval, 512, args.eval_windows)
-    except InputError as e:
-        sys.exit(f"error: {e}")
+    ckpt, calib, evaluation = open_windows(args)
     work = Path(tempfile.mkdtemp(prefix="qat_table_"))
     windows_file = work / "windows.safetensors"
     save_file({"input_ids": calib.contiguous()}, str(windows_file))

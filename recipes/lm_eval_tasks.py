@@ -96,8 +96,8 @@ def engine_generator(source: Path, kv_cache: str):
 
 def _yaml_task_name(path: Path) -> str:
     config = read_yaml(path)
-    name = config.get("task") if isinstance(config, dict) else None
-    name = name if isinstance(name, str) else config.get("group") if isinstance(config, dict) else None
+    config = config if isinstance(config, dict) else {}
+    name = config["task"] if isinstance(config.get("task"), str) else config.get("group")
     if not isinstance(name, str) or not name:
         raise InputError(f"{path}: an lm-eval task YAML needs a 'task' (or 'group') name")
     return name
