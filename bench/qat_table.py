@@ -1,21 +1,25 @@
-"""QAT against RTN and GPTQ on the same calibration windows: does training recover what 2- and
-3-bit post-training quantization loses?
+"""QAT against RTN, GPTQ and torchao's QAT on the same calibration windows: does training recover
+what 2- and 3-bit post-training quantization loses?
 
     python bench/qat_table.py --model DIR --calib FILE --eval FILE [--json]
-        [--configs 4:128 3:128 2:64] [--calib-windows 32] [--window 512] [--seed 0]
-        [--eval-windows 16] [--steps 200] [--lr 0.02] [--batch 2]
+        [--configs 4:128 3:128 2:64] [--methods rtn gptq qat torchao-qat] [--calib-windows 32]
+        [--window 512] [--seed 0] [--eval-windows 16] [--steps 200] [--lr 0.02] [--batch 2]
+        [--e2e-steps 0] [--e2e-lr 1e-3] [--torchao-steps 400] [--torchao-lr 2e-5] [--gguf]
 
 Every method quantizes the decoder's Linear weights asymmetrically (the grid QAT defaults to) at
 each ``bits:group_size`` config from the same calibration windows, in its own process (so its time
 and peak RSS are its own, the model streaming one decoder layer at a time as in a recipe), and is
 scored against the unquantized model on consecutive 512-token windows of the evaluation text.
-The baseline of each config is GPTQ in the same run: ``Δ/Δgptq`` is QAT's perplexity increase over
-GPTQ's. Prints a table; with ``--json``, a list of rows on stdout, each with ``method`` (``rtn``,
-``gptq``, ``qat``), ``bits``, ``group_size``, ``ppl``, ``ppl_delta``, ``kld``, ``top1``,
-``seconds``, ``peak_rss_mb`` (the unquantized model is the row with method ``none``). With
-``--gguf``, three more rows (``bits`` null): a QAT model on Q4_0's grid as a GGUF file and
-llama.cpp's own Q4_0 and Q4_K_M of the original, each with llama.cpp's perplexity on the
-evaluation windows (``ppl``) and its ``file_mb``.
+``torchao-qat`` is torchao 0.18's QAT (bench/anchors/torchao_qat.py, in the virtualenv of
+``bench/anchors/setup.sh torchao``; skipped with a note without it): the whole model fine-tuned
+end to end through torchao's fake quantization, by the same KL distillation from the float model.
+The baseline of each config is GPTQ in the same run: ``Δ/Δgptq`` is a method's perplexity increase
+over GPTQ's. Prints a table; with ``--json``, a list of rows on stdout, each with ``method``
+(``rtn``, ``gptq``, ``qat``, ``torchao-qat``), ``bits``, ``group_size``, ``ppl``, ``ppl_delta``,
+``kld``, ``top1``, ``seconds``, ``peak_rss_mb`` (the unquantized model is the row with method
+``none``). With ``--gguf``, four more rows (``bits`` null): QAT models on Q4_0's grid and on
+Q4_K_M's as GGUF files and llama.cpp's own Q4_0 and Q4_K_M of the original, each with llama.cpp's
+perplexity on the evaluation windows (``ppl``) and its ``file_mb``.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from ptq_table import add_window_arguments, load_dense, log, open_windows, save_dense  # noqa: E402  (bench/ is this script's folder)
 
-METHODS = ("rtn", "gptq", "qat")
+METHODS = ("rtn", "gptq", "qat", "torchao-qat")
 
 
 def main() -> None:
@@ -46,6 +50,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--e2e-steps", type=int, default=0, help="QAT's end-to-end phase after the layers")
+    parser.add_argument("--e2e-lr", type=float, default=1e-3)
+    parser.add_argument("--methods", nargs="*", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--torchao-steps", type=int, default=400, help="torchao's QAT: end-to-end steps")
+    parser.add_argument("--torchao-lr", type=float, default=2e-5)
     parser.add_argument("--gguf", action="store_true", help="also: a Q4_0 QAT file against llama.cpp's Q4_0 and Q4_K_M, in llama.cpp")
     args = parser.parse_args()
     configs = [tuple(int(x) for x in c.split(":")) for c in args.configs]
@@ -66,7 +75,7 @@ def main() -> None:
     rows = [dict(method="none", bits=16, group_size=None, ppl=base.ppl, ppl_delta=0.0, kld=0.0, top1=1.0,
                  seconds=None, peak_rss_mb=None)]
     for bits, group in configs:
-        for method in METHODS:
+        for method in args.methods:
             out = work / f"{method}-w{bits}g{group}"
             run = run_worker(method, bits, group, args, windows_file, out)
             if run is None:
@@ -85,7 +94,7 @@ def main() -> None:
 
 
 def gguf_rows(args, work: Path, evaluation) -> list[dict]:
-    """A QAT model on Q4_0's grid as a GGUF file, against llama.cpp's own Q4_0 and Q4_K_M of the
+    """QAT models as Q4_0 and Q4_K_M GGUF files, against llama.cpp's own Q4_0 and Q4_K_M of the
     original (our GGUF writer's files are byte-identical to llama.cpp's quantizer's), each scored
     by llama.cpp (llama-cpp-python) on the evaluation windows: perplexity and file size."""
     import yaml
@@ -98,8 +107,9 @@ def gguf_rows(args, work: Path, evaluation) -> list[dict]:
               "evaluation": {"text": str(args.eval.resolve()), "window": 512, "max_windows": 2},
               "calibration": {"text": str(args.calib.resolve()), "window": args.window, "max_windows": args.calib_windows,
                               "seed": args.seed},
-              "variants": [{"name": "qat-q4_0", "exports": ["gguf"],
-                            "weights": {"method": "qat", "gguf": "Q4_0", "steps": args.steps, "lr": args.lr, "batch": args.batch}},
+              "variants": [*({"name": f"qat-{t.lower()}", "exports": ["gguf"],
+                              "weights": {"method": "qat", "gguf": t, "steps": args.steps, "lr": args.lr, "batch": args.batch,
+                                          "e2e_steps": args.e2e_steps, "e2e_lr": args.e2e_lr}} for t in ("Q4_0", "Q4_K_M")),
                            {"name": "q4_0", "weights": {"method": "gguf", "type": "Q4_0"}, "exports": ["gguf"]},
                            {"name": "q4_k_m", "weights": {"method": "gguf", "type": "Q4_K_M"}, "exports": ["gguf"]}]}
     path = work / "gguf.yaml"
@@ -108,7 +118,7 @@ def gguf_rows(args, work: Path, evaluation) -> list[dict]:
     run_recipe(load_recipe(path), work / "gguf", Console(stderr=True, quiet=True))
     log(f"GGUF variants built in {time.perf_counter() - start:.0f} s")
     rows = []
-    for name in ("qat-q4_0", "q4_0", "q4_k_m"):
+    for name in ("qat-q4_0", "q4_0", "qat-q4_k_m", "q4_k_m"):
         (gguf,) = (work / "gguf" / name).glob("*.gguf")
         ppl = llama_cpp_perplexity(gguf, evaluation)
         rows.append(dict(method=f"llama.cpp {name}", bits=None, group_size=None, ppl=ppl, ppl_delta=None, kld=None,
@@ -136,25 +146,39 @@ def llama_cpp_perplexity(gguf: Path, evaluation) -> float:
 
 
 def run_worker(method: str, bits: int, group: int, args, windows_file: Path, out: Path) -> dict | None:
-    cmd = [sys.executable, __file__, "--worker", method, "--model", str(args.model), "--windows", str(windows_file),
-           "--bits", str(bits), "--group-size", str(group), "--out", str(out), "--steps", str(args.steps),
-           "--lr", str(args.lr), "--batch", str(args.batch)]
+    """One method in a child process (torchao's in its own virtualenv); its seconds and peak RSS,
+    or None (with a note) where it failed or its virtualenv is missing."""
+    common = ["--model", str(args.model), "--windows", str(windows_file), "--bits", str(bits), "--group-size", str(group),
+              "--out", str(out), "--batch", str(args.batch)]
+    if method == "torchao-qat":
+        python = REPO / ".anchors" / "torchao" / "bin" / "python"
+        if not python.exists():
+            log("torchao-qat: skipped, no virtualenv (run bench/anchors/setup.sh torchao)")
+            return None
+        cmd = [str(python), str(REPO / "bench" / "anchors" / "torchao_qat.py"), *common,
+               "--steps", str(args.torchao_steps), "--lr", str(args.torchao_lr), "--seed", str(args.seed)]
+        result = out / "anchor.json"
+    else:
+        cmd = [sys.executable, __file__, "--worker", method, *common, "--steps", str(args.steps), "--lr", str(args.lr),
+               "--e2e-steps", str(args.e2e_steps), "--e2e-lr", str(args.e2e_lr)]
+        result = out / "run.json"
     done = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if done.returncode:
         log(f"{method} w{bits}g{group} failed:\n{done.stderr[-3000:]}")
         return None
-    return json.loads((out / "run.json").read_text())
+    return json.loads(result.read_text())
 
 
 def worker(argv: list[str]) -> None:
     """One method in this process: writes out/dense (float32) and out/run.json."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("method", choices=METHODS)
+    parser.add_argument("method", choices=METHODS[:3])
     for flag in ("--model", "--windows", "--out"):
         parser.add_argument(flag, type=Path, required=True)
-    for flag in ("--bits", "--group-size", "--steps", "--batch"):
+    for flag in ("--bits", "--group-size", "--steps", "--batch", "--e2e-steps"):
         parser.add_argument(flag, type=int, required=True)
-    parser.add_argument("--lr", type=float, required=True)
+    for flag in ("--lr", "--e2e-lr"):
+        parser.add_argument(flag, type=float, required=True)
     args = parser.parse_args(argv)
 
     from safetensors.torch import load_file
@@ -175,7 +199,7 @@ def worker(argv: list[str]) -> None:
     elif args.method == "gptq":
         fitted = {n: r.tensor for layer in gptq_model(ckpt, windows, spec) for n, r in layer.items()}
     else:
-        settings = QATSettings(steps=args.steps, lr=args.lr, batch=args.batch)
+        settings = QATSettings(steps=args.steps, lr=args.lr, batch=args.batch, e2e_steps=args.e2e_steps, e2e_lr=args.e2e_lr)
         fitted = {n: p for layer in qat_model(ckpt, windows, spec, settings) for n, p in layer.tensors.items()}
     seconds = time.perf_counter() - start
     save_dense(ckpt, fitted, args.out / "dense")
@@ -185,8 +209,10 @@ def worker(argv: list[str]) -> None:
 
 def print_table(rows: list[dict], args) -> None:
     print(f"model {args.model}, calibration {args.calib_windows} x {args.window} tokens (seed {args.seed}), "
-          f"QAT {args.steps} steps per layer, lr {args.lr:g}, batch {args.batch}; all grids asymmetric")
-    print(f"{'method':<8}{'bits':>5}{'group':>6}{'ppl':>10}{'Δppl':>9}{'Δ/Δgptq':>9}{'KLD':>9}{'top-1':>8}{'s':>8}{'MiB':>7}")
+          f"QAT {args.steps} steps per layer, lr {args.lr:g}, batch {args.batch}, "
+          f"{args.e2e_steps} end-to-end steps, lr {args.e2e_lr:g}; torchao {args.torchao_steps} steps, lr {args.torchao_lr:g}; "
+          "all grids asymmetric")
+    print(f"{'method':<12}{'bits':>5}{'group':>6}{'ppl':>10}{'Δppl':>9}{'Δ/Δgptq':>9}{'KLD':>9}{'top-1':>8}{'s':>8}{'MiB':>7}")
     gptq = {(r["bits"], r["group_size"]): r["ppl_delta"] for r in rows if r["method"] == "gptq"}
     for r in rows:
         base = gptq.get((r["bits"], r["group_size"]))
@@ -197,7 +223,7 @@ def print_table(rows: list[dict], args) -> None:
         if r["bits"] is None:  # a GGUF file scored by llama.cpp
             print(f"{r['method']:<22}{r['ppl']:>10.3f}  {r['file_mb']:.2f} MB")
             continue
-        print(f"{r['method']:<8}{r['bits']:>5}{group:>6}{r['ppl']:>10.3f}{r['ppl_delta']:>+9.3f}{ratio:>9}"
+        print(f"{r['method']:<12}{r['bits']:>5}{group:>6}{r['ppl']:>10.3f}{r['ppl_delta']:>+9.3f}{ratio:>9}"
               f"{r['kld']:>9.4f}{r['top1']:>8.3f}{secs:>8}{rss:>7}")
 
 

@@ -12,6 +12,7 @@ them live there), else on the CPU.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import fields, is_dataclass, replace
 from typing import Iterator, NamedTuple, TypeVar
 
@@ -34,6 +35,24 @@ class LayerStep(NamedTuple):
 
 def working_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def fast_bf16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 natively, so that bf16 autocast speeds training up:
+    CUDA GPUs, and CPUs with AVX512-BF16 or AMX (4-10x over float32 for matrix products here).
+    Without them torch emulates bf16 on the CPU, slower than float32 (calib/layerwise.py)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return frozenset()
 
 
 def skeleton(ckpt: HFCheckpoint) -> torch.nn.Module:
@@ -70,6 +89,26 @@ def walk_layers(ckpt: HFCheckpoint, model: torch.nn.Module, windows: torch.Tenso
         if index + 1 < len(layers):  # the last layer's outputs feed nothing the walk needs
             inputs.hidden = run_layer(layer, inputs)
         layer.to("meta")
+
+
+def float_logits(ckpt: HFCheckpoint, windows: torch.Tensor, chunk: int = 4) -> Iterator[torch.Tensor]:
+    """The checkpoint's own next-token logits on the token ``windows``, ``chunk`` windows at a
+    time (float32 ``[chunk, tokens, vocab]``), computed as the walk computes, one decoder layer in
+    memory at a time: a distillation target that never needs the float model whole."""
+    model = skeleton(ckpt)
+    last = len(decoder_layers(model)) - 1
+    hidden = None
+    for index, step in enumerate(walk_layers(ckpt, model, windows)):
+        if index == last:
+            hidden = run_layer(step.layer, step.inputs)
+    device = working_device()
+    norm, head = model.get_decoder().norm, model.get_output_embeddings()
+    _load(ckpt, norm, _name_of(model, norm), device)
+    head_name = _name_of(model, model.get_input_embeddings()) if ckpt.arch.tied_embeddings else _name_of(model, head)
+    weight = ckpt.tensor(head_name + "weight").to(device=device, dtype=torch.float32)
+    with torch.inference_mode():
+        for i in range(0, len(hidden), chunk):
+            yield norm(hidden[i : i + chunk]) @ weight.T
 
 
 def _load(ckpt: HFCheckpoint, module: torch.nn.Module, prefix: str, device: torch.device) -> None:

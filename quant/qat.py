@@ -11,56 +11,108 @@ exactly what its export dequantizes to. Training starts from round-to-nearest's 
 GPTQ's solution (its weights and scales).
 
 Layers stream from the checkpoint as in GPTQ's walk (``calib.streaming``): one decoder layer is
-in memory at a time, with its calibration inputs and the float layer's outputs on them.
+in memory at a time, with its calibration inputs and the float layer's outputs on them. With
+``e2e_steps`` a second phase then trains the scales and norms of the whole model against the float
+model's next-token distribution (quant/qat_e2e.py). Given a checkpoint folder, each finished layer
+and the second phase's state are saved there (quant/qat_checkpoint.py), and a rerun takes them up.
+
+Training runs under bfloat16 autocast where the machine multiplies bf16 natively (CUDA, and CPUs
+with AVX512-BF16 or AMX), with float32 master weights; elsewhere in float32, which is faster there.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Collection, Iterator, Literal
+from pathlib import Path
+from typing import Callable, Collection, Iterator, Literal
 
 import torch
 from torch.func import functional_call
 
 from calib.layerwise import input_statistics, run_layer
-from calib.streaming import LayerStep, skeleton, to_cpu, walk_layers
+from calib.streaming import LayerStep, fast_bf16, skeleton, to_cpu, walk_layers, working_device
 from formats.hf import HFCheckpoint
 from quant.error import relative_error
+from quant.ggml import encode
 from quant.gptq import GPTQSettings, gptq_quantize
+from quant.qat_checkpoint import QATCheckpoint
+from quant.qat_e2e import train_end_to_end
+from quant.qat_grids import trainable_grid
 from quant.rtn import quantize_rtn
-from quant.types import InputError, LayerResult, QuantizedTensor, QuantSpec
+from quant.types import GGMLTensor, InputError, LayerResult, QuantizedTensor, QuantSpec
 
-_FP16_TINY = 2.0**-24  # the smallest positive fp16: a trained scale must stay storable
+Q4_K = "Q4_K"  # GGUF's Q4_K grid, beside the integer grids a QuantSpec names
+Grid = QuantSpec | str
+QUANTIZED = (QuantizedTensor, GGMLTensor)  # what training leaves a Linear's weight as
+
+E2E_STEPS = 0  # the recipe's default: measured in docs/qat.md
+
+StepReport = Callable[[str, int, int, float], None]  # (phase, step, steps, loss)
 
 
 @dataclass(frozen=True)
 class QATSettings:
     steps: int = 200  # optimizer steps per decoder layer
     lr: float = 0.02  # AdamW, in steps of the grid per step (see _Grid), cosine-decayed to zero
-    batch: int = 2  # calibration windows per step
+    batch: int = 2  # calibration windows per micro-batch
+    accumulate: int = 1  # micro-batches whose gradients make one step
     learn_scales: bool = True
     init: Literal["rtn", "gptq"] = "rtn"
     damp: float = 0.01  # GPTQ's damping, with init "gptq"
     seed: int = 0  # the order windows are drawn in
+    e2e_steps: int = 0  # steps of the end-to-end phase (0: none)
+    e2e_lr: float = 1e-3  # its AdamW rate, relative to each scale, cosine-decayed to zero
+    save_seconds: float = 300.0  # how often the end-to-end phase saves its state to a checkpoint folder
 
 
-def qat_model(ckpt: HFCheckpoint, windows: torch.Tensor, spec: QuantSpec, settings: QATSettings = QATSettings(),
-              modules: Collection[str] | None = None, on_step=None) -> Iterator[LayerResult]:
+def qat_model(ckpt: HFCheckpoint, windows: torch.Tensor, spec: Grid, settings: QATSettings = QATSettings(),
+              modules: Collection[str] | None = None, on_step: StepReport | None = None,
+              checkpoint: Path | None = None) -> Iterator[LayerResult]:
     """Train and quantize the chosen decoder Linears (``modules``, full names; all by default)
-    layer by layer as the layers stream from the checkpoint; one ``LayerResult`` per layer: the
-    quantized weights as trained and each one's relative output error on the calibration inputs
-    against the float layer (quant/error.py). ``on_step(layer, step, loss)`` follows training."""
-    if spec.format != "int" or spec.granularity not in ("group", "channel"):
-        raise InputError(f"QAT trains integer grids by group or channel, not {spec.label}")
+    layer by layer as the layers stream from the checkpoint, then end to end if the settings ask;
+    one ``LayerResult`` per layer: the quantized weights as trained and each one's relative output
+    error on the calibration inputs against the float model (quant/error.py). ``on_step(phase,
+    step, steps, loss)`` follows training; ``checkpoint`` is a folder to save progress in and resume
+    from."""
+    if spec == Q4_K:
+        if settings.init != "rtn":
+            raise InputError("QAT on Q4_K starts from llama.cpp's own Q4_K (init: rtn), not from GPTQ")
+    elif spec.format != "int" or spec.granularity not in ("group", "channel"):
+        raise InputError(f"QAT trains integer grids by group or channel, or Q4_K, not {spec.label}")
     if settings.steps < 1:
         raise InputError("QAT needs at least one training step")
-    for step in walk_layers(ckpt, skeleton(ckpt), windows):
-        yield qat_layer(step, spec, settings, modules, on_step)
+    saved = QATCheckpoint(checkpoint, None if spec == Q4_K else spec) if checkpoint is not None else None
+    report = on_step or (lambda phase, step, steps, loss: None)
+    model = skeleton(ckpt)
+    layers = []
+    for index, step in enumerate(walk_layers(ckpt, model, windows)):
+        phase = f"layer {index + 1}/{ckpt.arch.layers}"
+        result = saved.layer(index) if saved else None
+        if result is None:
+            result = qat_layer(step, spec, settings, modules, lambda i, loss: report(phase, i, settings.steps, loss))
+            if saved:
+                saved.save_layer(index, result)
+        else:  # trained before the run was stopped: the next layers see what it computes
+            for name, tensor in result.tensors.items():
+                if isinstance(tensor, QUANTIZED):
+                    module = step.layer.get_submodule(name.removeprefix(step.prefix).removesuffix(".weight"))
+                    module.weight.data = tensor.dequantize().to(module.weight.device, module.weight.dtype)
+        if settings.e2e_steps:
+            layers.append(result)
+        else:
+            yield result
+    if settings.e2e_steps:
+        layers = train_end_to_end(ckpt, windows, layers, settings.e2e_steps, settings.e2e_lr, settings.batch,
+                                  settings.accumulate, settings.seed, fast_bf16(working_device()), saved,
+                                  lambda i, loss: report("end to end", i, settings.e2e_steps, loss),
+                                  settings.save_seconds)
+        errors = _errors_on_float_inputs(ckpt, windows, layers)
+        yield from (LayerResult(layer.tensors, layer.statistics, errors[i]) for i, layer in enumerate(layers))
 
 
-def qat_layer(step: LayerStep, spec: QuantSpec, settings: QATSettings, modules: Collection[str] | None = None,
-              on_step=None) -> LayerResult:
+def qat_layer(step: LayerStep, spec: Grid, settings: QATSettings, modules: Collection[str] | None = None,
+              on_step: Callable[[int, float], None] | None = None) -> LayerResult:
     """Block-AP on one decoder layer of a walk; the layer keeps the trained quantized weights, so
     the layers after it are trained on what the quantized model computes."""
     base, layer, inputs = step
@@ -74,8 +126,7 @@ def qat_layer(step: LayerStep, spec: QuantSpec, settings: QATSettings, modules: 
     grids = _initial_grids(step, linears, hessians, spec, settings)
     weights = {n: g.dequantize().to(floats[n].device) if settings.init == "gptq" else floats[n]  # read, not changed
                for n, g in grids.items()}
-    trained = _train(layer, inputs, targets, weights, grids, spec, settings,
-                     lambda i, loss: on_step(base, i, loss) if on_step else None)
+    trained = _train(layer, inputs, targets, weights, grids, settings, on_step or (lambda i, loss: None))
     results, errors = {}, {}
     for n, tensor in trained.items():
         linears[n].weight.data = tensor.dequantize().to(linears[n].weight.dtype)
@@ -86,56 +137,36 @@ def qat_layer(step: LayerStep, spec: QuantSpec, settings: QATSettings, modules: 
     return LayerResult(results, {}, errors)
 
 
-def _initial_grids(step: LayerStep, linears: dict, hessians: dict, spec: QuantSpec,
-                   settings: QATSettings) -> dict[str, QuantizedTensor]:
-    """Each Linear's starting grid: round-to-nearest's, or GPTQ's on the float layer's inputs."""
+def _errors_on_float_inputs(ckpt: HFCheckpoint, windows: torch.Tensor, layers: list[LayerResult]) -> list[dict[str, float]]:
+    """Each quantized Linear's relative output error against the float model on the inputs the
+    float model gives it: after the end-to-end phase the layer phase's measures are out of date."""
+    errors = []
+    for step, result in zip(walk_layers(ckpt, skeleton(ckpt), windows), layers):
+        quantized = {n: t for n, _ in step.layer.named_modules()  # in call order, as input_statistics needs
+                     if isinstance(t := result.tensors.get(f"{step.prefix}{n}.weight"), QUANTIZED)}
+        stats = input_statistics(step.layer, step.inputs, list(quantized)) if quantized else {}
+        errors.append({step.prefix + n: relative_error(step.layer.get_submodule(n).weight.data, t.dequantize(), stats[n].hessian)
+                       for n, t in quantized.items()})
+    return errors
+
+
+def _initial_grids(step: LayerStep, linears: dict, hessians: dict, spec: Grid,
+                   settings: QATSettings) -> dict[str, QuantizedTensor | GGMLTensor]:
+    """Each Linear's starting grid: round-to-nearest's (llama.cpp's own for Q4_K), or GPTQ's on
+    the float layer's inputs."""
+    if spec == Q4_K:
+        return {n: encode(m.weight.data.cpu(), Q4_K, step.prefix + n) for n, m in linears.items()}
     if settings.init == "rtn":
         return {n: quantize_rtn(m.weight.data, spec, step.prefix + n) for n, m in linears.items()}
     gptq = GPTQSettings(damp=settings.damp)
     return {n: gptq_quantize(m.weight.data, hessians[n], spec, gptq, step.prefix + n).tensor for n, m in linears.items()}
 
 
-class _Grid(torch.nn.Module):
-    """One Linear's trainable weights and scales on a fixed integer zero-point grid, both in units
-    of the starting step size: AdamW moves every parameter by about ``lr`` per step whatever its
-    size, so in these units one learning rate moves weights by the same share of a step at 2 bits
-    as at 8, and scales by the same share of themselves."""
-
-    def __init__(self, weight: torch.Tensor, start: QuantizedTensor, spec: QuantSpec, learn_scales: bool):
-        super().__init__()
-        out, n_in = weight.shape
-        self.spec, self.groups = spec, start.scales.shape[1]
-        step = start.scales.to(weight.device, torch.float32).unsqueeze(-1)
-        self.register_buffer("step", step)
-        self.register_buffer("zeros", start.zeros.to(weight.device).unsqueeze(-1))
-        self.units = torch.nn.Parameter(weight.to(torch.float32).reshape(out, self.groups, n_in // self.groups) / step)
-        self.relative = torch.nn.Parameter(torch.ones_like(step), requires_grad=learn_scales)
-
-    def scale(self) -> torch.Tensor:
-        """The scales as stored: positive, in fp16 (straight through the fp16 rounding)."""
-        s = (self.relative * self.step).clamp(min=_FP16_TINY)
-        return s + (s.half().float() - s).detach()
-
-    def forward(self) -> torch.Tensor:
-        s = self.scale()
-        x = self.units * self.step / s
-        codes = (x + (torch.round(x) - x).detach() + self.zeros).clamp(0, 2**self.spec.bits - 1)
-        return ((codes - self.zeros) * s).reshape(self.units.shape[0], -1)
-
-    @torch.no_grad()
-    def quantized(self) -> QuantizedTensor:
-        s = self.scale()
-        codes = (torch.round(self.units * self.step / s) + self.zeros).clamp(0, 2**self.spec.bits - 1)
-        out = self.units.shape[0]
-        return QuantizedTensor(self.spec, codes.reshape(out, -1).to(torch.uint8), s.squeeze(-1).contiguous(),
-                               self.zeros.squeeze(-1).contiguous())
-
-
 def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict, grids: dict,
-           spec: QuantSpec, settings: QATSettings, on_step) -> dict[str, QuantizedTensor]:
-    """AdamW on the mean squared error of the layer's outputs, a batch of windows per step, over
-    the named Linears' ``weights`` on their starting ``grids``."""
-    trainable = {n: _Grid(weights[n], grids[n], spec, settings.learn_scales) for n in grids}
+           settings: QATSettings, on_step) -> dict[str, QuantizedTensor | GGMLTensor]:
+    """AdamW on the mean squared error of the layer's outputs, ``accumulate`` batches of windows
+    per step, over the named Linears' ``weights`` on their starting ``grids``."""
+    trainable = {n: trainable_grid(weights[n], grids[n], settings.learn_scales) for n in grids}
     params = [p for g in trainable.values() for p in g.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -145,20 +176,24 @@ def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict,
     generator = torch.Generator().manual_seed(settings.seed)
     frozen = {n: p.detach() for n, p in layer.named_parameters()}
     order = torch.empty(0, dtype=torch.long)
+    bf16 = fast_bf16(hidden.device)
     for i in range(settings.steps):
-        if len(order) < settings.batch:  # every window once before any twice
-            order = torch.cat([order, torch.randperm(len(hidden), generator=generator)])
-        batch, order = order[: settings.batch], order[settings.batch:]
-        params_now = dict(frozen) | {f"{n}.weight": g() for n, g in trainable.items()}
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=hidden.is_cuda):
-            out = functional_call(layer, params_now, (hidden[batch],), kwargs)
-        out = out[0] if isinstance(out, tuple) else out
-        loss = torch.nn.functional.mse_loss(out.float(), targets[batch].float())
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        total = 0.0
+        for _ in range(settings.accumulate):
+            if len(order) < settings.batch:  # every window once before any twice
+                order = torch.cat([order, torch.randperm(len(hidden), generator=generator)])
+            batch, order = order[: settings.batch], order[settings.batch:]
+            params_now = dict(frozen) | {f"{n}.weight": g() for n, g in trainable.items()}
+            with torch.autocast(hidden.device.type, dtype=torch.bfloat16, enabled=bf16):
+                out = functional_call(layer, params_now, (hidden[batch],), kwargs)
+            out = out[0] if isinstance(out, tuple) else out
+            loss = torch.nn.functional.mse_loss(out.float(), targets[batch].float()) / settings.accumulate
+            loss.backward()
+            total += loss.item()
         optimizer.step()
         schedule.step()
-        on_step(i, loss.item())
+        on_step(i, total)
     return {n: g.quantized() for n, g in trainable.items()}
 
 

@@ -9,6 +9,7 @@ unchanged since it last finished (recipes/resume.py) and redoes the rest.
 
 from __future__ import annotations
 
+import shutil
 import time
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -30,7 +31,7 @@ from quant.kv_cache import simulated_kv_cache
 from recipes import lm_eval_tasks
 from recipes.importance import model_imatrix
 from recipes.lm_eval_tasks import LMEvalTask
-from recipes.resume import ORIGINAL, RECORD, Keys, finished, path_size, record
+from recipes.resume import ORIGINAL, RECORD, Keys, finished, path_size, record, training_checkpoint
 from recipes.methods import method_of
 from recipes.schema import Calibration, Recipe, Variant, check_against_model
 from recipes.speed import engine_source
@@ -101,9 +102,10 @@ def _run(recipe: Recipe, ckpt: HFCheckpoint, tasks: list[Task | LMEvalTask], out
             done.unlink(missing_ok=True)  # a crash from here on must not leave the old record standing
             start = time.perf_counter()
             uses = imatrix if getattr(variant.weights, "imatrix", False) else None
+            checkpoint = training_checkpoint(out_dir, variant, keys.variant(variant))
             with Outputs() as outputs:  # the variant's files get their names once it is scored
                 built = build_variant(ckpt, variant, out_dir, progress, imatrix=uses, calibration=calib_windows,
-                                      outputs=outputs)
+                                      outputs=outputs, checkpoint=checkpoint)
                 model = model_from_state(reference_model.config, built.state)
                 bits, files, statistics = built.bits_per_weight, built.files, built.input_statistics
                 errors, measure = built.linear_errors, built.error_measure
@@ -117,6 +119,7 @@ def _run(recipe: Recipe, ckpt: HFCheckpoint, tasks: list[Task | LMEvalTask], out
                     answers = _tasks(progress, variant.name, causal_lm_logprobs(model), tokenizer, ckpt, tasks, engine)
                 del model
                 outputs.commit()
+            shutil.rmtree(checkpoint, ignore_errors=True)
             row = VariantRow(
                 variant.name, _describe(variant), bits, _size_mb(ckpt, bits), scores,
                 ppl_delta=scores.ppl - original.scores.ppl, seconds=time.perf_counter() - start,

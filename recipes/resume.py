@@ -9,12 +9,17 @@ output folder takes the row of every variant whose key matches and whose files a
 at their recorded sizes; the others are built and scored again. The original's row is kept the same
 way (``<out>/.original.json``), so a rerun with nothing to do loads no model at all. To redo a
 variant regardless, delete its folder.
+
+A variant that trains (QAT) keeps its progress in ``<out>/<variant>/.training-<key>/`` until it
+finishes, so a job killed mid-training takes up from the last saved layer or step when rerun with
+the same inputs; with other inputs the folder is stale and removed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from importlib import metadata
 from pathlib import Path
 
@@ -73,6 +78,16 @@ def finished(path: Path, key: str, out_dir: Path) -> VariantRow | None:
         if not target.exists() or path_size(target) != f["bytes"]:
             return None
     return row
+
+
+def training_checkpoint(out_dir: Path, variant: Variant, key: str) -> Path:
+    """The folder the variant's training may keep its progress in (created by the trainer, only
+    if it trains), named by the variant's key; other keys' folders are removed."""
+    folder = out_dir / variant.name / f".training-{key[:16]}"
+    for stale in (out_dir / variant.name).glob(".training-*"):
+        if stale != folder:
+            shutil.rmtree(stale, ignore_errors=True)
+    return folder
 
 
 def record(path: Path, key: str, row: VariantRow) -> None:

@@ -61,6 +61,7 @@ def build_variant(
     gguf_path: Path | None = None,
     calibration: torch.Tensor | None = None,
     outputs: Outputs | None = None,
+    checkpoint: Path | None = None,
 ) -> BuiltVariant:
     """Quantize ``variant`` tensor by tensor into its exports under ``out_dir/<variant name>``.
 
@@ -68,19 +69,21 @@ def build_variant(
     weights are also kept for evaluation (the whole model in float32). Variants fitted on
     calibration text (GPTQ, AWQ) take the token windows in ``calibration``; they are fitted first,
     layer by layer as the layers stream from the checkpoint, and their tensors then stream into
-    the exports like any others. The files are staged in ``outputs`` and reach their final names
-    when the caller commits it (after scoring the variant, say); without ``outputs`` they are
-    committed here, once all are written.
+    the exports like any others; a fit that trains (QAT) keeps its progress in the ``checkpoint``
+    folder, if given. The files are staged in ``outputs`` and reach their final names when the
+    caller commits it (after scoring the variant, say); without ``outputs`` they are committed
+    here, once all are written.
     """
     if outputs is None:
         with Outputs() as own:
-            built = build_variant(ckpt, variant, out_dir, progress, imatrix, keep_weights, gguf_path, calibration, own)
+            built = build_variant(ckpt, variant, out_dir, progress, imatrix, keep_weights, gguf_path, calibration, own,
+                                  checkpoint)
             own.commit()
         return built
     method = method_of(variant.weights)
     plan = method.plan(ckpt, variant, imatrix is not None)
     progress = progress or Progress(disable=True)
-    fitted, statistics, errors = _fit(ckpt, variant, calibration, progress)
+    fitted, statistics, errors = _fit(ckpt, variant, calibration, progress, checkpoint)
     compares = method.compares_weights and variant.activations is None
     measure = OUTPUT_ERROR if errors else WEIGHT_ERROR if compares and keep_weights else None
     linears = set(ckpt.linear_modules)
@@ -157,8 +160,8 @@ def export_paths(ckpt: HFCheckpoint, variant: Variant, out_dir: Path, gguf_path:
     return paths
 
 
-def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None,
-         progress: Progress) -> tuple[dict[str, TensorPayload], dict[str, dict], dict[str, float]]:
+def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None, progress: Progress,
+         checkpoint: Path | None) -> tuple[dict[str, TensorPayload], dict[str, dict], dict[str, float]]:
     """The variant's calibrated pass (its method's, or SmoothQuant's before W8A8 with the method's
     weight pass), streamed from the checkpoint one decoder layer at a time (the float model is
     never loaded whole): every tensor of the decoder layers it produced, by name (quantized
@@ -179,7 +182,8 @@ def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None,
     else:
         label = method.pass_label(weights)
         layers = method.fit(ckpt, variant, windows,
-                            lambda where: progress.update(task, description=f"{variant.name}: {label} {where}"))
+                            lambda where: progress.update(task, description=f"{variant.name}: {label} {where}"),
+                            checkpoint)
     fitted: dict[str, TensorPayload] = {}
     statistics: dict[str, dict] = {}
     errors: dict[str, float] = {}

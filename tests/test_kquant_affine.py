@@ -222,3 +222,17 @@ def test_rejects_bad_input(qtype: str) -> None:
     bad[1, 3] = np.nan
     with pytest.raises(ValueError, match="NaN"):
         encode(bad)
+
+
+def test_q4_k_parts_read_back_llama_cpps_grid_and_write_it_again_byte_for_byte() -> None:
+    """What QAT trains on: the grid Q4_K bytes store, and those bytes again from the grid."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((6, 512)) * rng.uniform(0.01, 1.0, (6, 1))).astype(np.float32)
+    x[0, :256] = 0.0  # a super-block of zeros: d = dmin = 0
+    raw = kq.quantize_q4_k(x)
+    d, dmin, sc, m, q = kq.q4_k_parts(raw)
+    assert d.shape == dmin.shape == (12,) and sc.shape == m.shape == (12, 8) and q.shape == (12, 256)
+    assert q.max() <= 15 and sc.max() <= 63 and m.max() <= 63
+    values = q.reshape(-1, 8, 32) * (d[:, None] * sc)[..., None] - (dmin[:, None] * m)[..., None]
+    assert np.array_equal(values.reshape(x.shape), dequantize(raw, GGMLQuantizationType.Q4_K).reshape(x.shape))
+    assert np.array_equal(kq.q4_k_from_parts(d, dmin, sc, m, q).reshape(raw.shape), raw)

@@ -1,12 +1,14 @@
-"""QAT: training moves the model closer to the original than the grid it starts from, the export
-holds exactly the trained grid (read back by transformers through compressed-tensors), and bad
-settings stop the job in one line."""
+"""QAT: training moves the model closer to the original than the grid it starts from, the
+end-to-end phase moves it closer still, a stopped run takes up where it was to the same weights,
+the export holds exactly the trained grid (read back by transformers through compressed-tensors,
+and by llama.cpp), and bad settings stop the job in one line."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,7 +41,7 @@ def test_training_brings_the_layers_closer_to_the_original_than_their_starting_g
     ckpt, model, calib, evaluation = tiny
     losses: dict[str, list[float]] = {}
     layers = list(qat_model(ckpt, calib, SPEC, QATSettings(steps=30, batch=2),
-                            on_step=lambda layer, step, loss: losses.setdefault(layer, []).append(loss)))
+                            on_step=lambda layer, step, steps, loss: losses.setdefault(layer, []).append(loss)))
     assert len(layers) == 6 and all(len(v) == 30 for v in losses.values())
     for trace in losses.values():  # each layer's loss falls
         assert sum(trace[-5:]) < sum(trace[:5])
@@ -51,6 +53,96 @@ def test_training_brings_the_layers_closer_to_the_original_than_their_starting_g
     reference = causal_lm_logprobs(model)
     kld = lambda tensors: score(causal_lm_logprobs(_model(model, tensors)), evaluation, reference).kld  # noqa: E731
     assert kld(trained) < 0.8 * kld(rtn)
+
+
+def test_the_end_to_end_phase_brings_the_output_distribution_closer_to_the_original(tiny):
+    ckpt, model, calib, evaluation = tiny
+    layer_phase = list(qat_model(ckpt, calib, SPEC, QATSettings(steps=10)))
+    losses = []
+    both = list(qat_model(ckpt, calib, SPEC, QATSettings(steps=10, e2e_steps=40),
+                          on_step=lambda phase, step, steps, loss: losses.append(loss) if phase == "end to end" else None))
+    assert len(losses) == 40 and sum(losses[-5:]) < sum(losses[:5])
+    before = {n: t for layer in layer_phase for n, t in layer.tensors.items()}
+    after = {n: t for layer in both for n, t in layer.tensors.items()}
+    assert set(after) == set(before) | {"model.norm.weight"}  # the final norm is trained too
+    quantized = [n for n, t in before.items() if isinstance(t, QuantizedTensor)]
+    for n in quantized:  # the codes stay where the layer phase put them; the scales move
+        assert torch.equal(after[n].codes, before[n].codes) and torch.equal(after[n].zeros, before[n].zeros), n
+        assert torch.equal(after[n].scales, after[n].scales.half().float()), n  # storable as fp16
+    assert not all(torch.equal(after[n].scales, before[n].scales) for n in quantized)
+    assert not torch.equal(after["model.layers.2.input_layernorm.weight"], before["model.layers.2.input_layernorm.weight"])
+    errors = {m: e for layer in both for m, e in layer.errors.items()}  # measured again, on the final weights
+    assert len(errors) == 42 and all(0 < e < 1 for e in errors.values())
+    assert errors != {m: e for layer in layer_phase for m, e in layer.errors.items()}
+    reference = causal_lm_logprobs(model)
+    kld = lambda tensors: score(causal_lm_logprobs(_model(model, tensors)), evaluation, reference).kld  # noqa: E731
+    assert kld(after) < 0.97 * kld(before)
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_stopped_training_takes_up_from_its_last_layer_and_step_to_the_same_weights(tiny, tmp_path):
+    ckpt, _, calib, _ = tiny
+    settings = QATSettings(steps=4, e2e_steps=4, save_seconds=0)
+
+    def run(folder, stop=None):
+        seen = []
+
+        def on_step(phase, step, steps, loss):
+            seen.append((phase, step))
+            if (phase, step) == stop:
+                raise _Stop
+
+        try:
+            return list(qat_model(ckpt, calib, SPEC, settings, on_step=on_step, checkpoint=folder)), seen
+        except _Stop:
+            return None, seen
+
+    whole, _ = run(tmp_path / "whole")
+    folder = tmp_path / "stopped"
+    assert run(folder, ("layer 3/6", 1))[0] is None
+    assert sorted(p.name for p in folder.iterdir()) == ["layer-0000.safetensors", "layer-0001.safetensors"]
+    stopped, seen = run(folder, ("end to end", 2))
+    assert stopped is None and seen[0] == ("layer 3/6", 0)  # layers 1 and 2 were not trained again
+    resumed, seen = run(folder)
+    assert seen == [("end to end", 2), ("end to end", 3)]  # from the last saved step
+    assert len(resumed) == len(whole) == 6
+    for a, b in zip(whole, resumed):
+        assert a.tensors.keys() == b.tensors.keys() and a.errors == b.errors
+        for name in a.tensors:
+            assert torch.equal(dequantized(a.tensors[name]), dequantized(b.tensors[name])), name
+
+
+def test_a_recipe_killed_mid_training_resumes_to_the_same_files(tmp_path):
+    import os
+    import time
+
+    recipe = {"model": str(TINY), "evaluation": {"text": str(EVAL_TEXT), "window": 128, "max_windows": 2},
+              "calibration": {"text": str(BUNDLED / "calib.txt"), "window": 128, "max_windows": 4},
+              "variants": [{"name": "qat", "weights": {"method": "qat", "bits": 2, "group_size": 64, "steps": 40,
+                                                       "e2e_steps": 5}, "exports": ["safetensors"]}]}
+    path = write_recipe(tmp_path, recipe)
+    quantize = str(Path(sys.executable).with_name("quantize"))
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert subprocess.run([quantize, str(path), "--out", str(whole)], capture_output=True).returncode == 0
+    job = subprocess.Popen([quantize, str(path), "--out", str(resumed)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while not list((resumed / "qat").glob(".training-*/layer-0002.safetensors")) and job.poll() is None:
+            assert time.monotonic() < deadline, "no layer saved"
+            time.sleep(0.01)
+        assert job.poll() is None, job.stderr.read().decode()
+        os.kill(job.pid, 9)
+        job.wait()
+    finally:
+        job.kill()
+    rerun = subprocess.run([quantize, str(path), "--out", str(resumed)], capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr
+    assert not list((resumed / "qat").glob(".training-*"))  # removed once the variant is done
+    model = Path("qat/safetensors/model.safetensors")
+    assert (whole / model).read_bytes() == (resumed / model).read_bytes()
 
 
 def test_the_export_holds_exactly_the_trained_grid(tmp_path):
@@ -85,7 +177,8 @@ def test_the_export_holds_exactly_the_trained_grid(tmp_path):
     ({"method": "qat", "bits": 2, "steps": 0}, "weights.steps': Input should be greater than or equal to 1"),
     ({"method": "qat", "bits": 4, "group_size": 100}, "group_size 100 does not divide the input size"),
     ({"method": "qat", "gguf": "Q4_0", "bits": 4}, "gguf: Q4_0 fixes the grid (4 bits, symmetric, blocks of 32): leave out bits"),
-    ({"method": "qat"}, "bits is required (or gguf: Q4_0)"),
+    ({"method": "qat"}, "bits is required (or gguf: Q4_0 | Q4_K_S | Q4_K_M)"),
+    ({"method": "qat", "gguf": "Q4_K_M", "init": "gptq"}, "gguf: Q4_K_M starts from llama.cpp's own Q4_K: leave out init: gptq"),
 ])
 def test_bad_qat_settings_stop_the_job_in_one_line(tmp_path, weights, message):
     recipe = {"model": str(TINY), "evaluation": {"text": str(EVAL_TEXT)}, "calibration": {"text": str(BUNDLED / "calib.txt")},
@@ -103,7 +196,8 @@ def test_a_gguf_export_of_qat_weights_is_refused(tmp_path):
     assert run.returncode == 2 and "a gguf export needs 'weights: {method: gguf" in run.stderr
 
 
-def test_a_q4_0_qat_file_holds_the_trained_blocks_and_runs_in_llama_cpp(tmp_path):
+@pytest.mark.parametrize("file_type, e2e_steps", [("Q4_0", 0), ("Q4_K_M", 3)])
+def test_a_gguf_qat_file_holds_the_trained_blocks_and_runs_in_llama_cpp(tmp_path, file_type, e2e_steps):
     import math
 
     import numpy as np
@@ -112,27 +206,35 @@ def test_a_q4_0_qat_file_holds_the_trained_blocks_and_runs_in_llama_cpp(tmp_path
     from rich.console import Console
     from safetensors.torch import load_file
 
+    from formats.gguf import gguf_name
     from recipes.pipeline import run_recipe
     from recipes.schema import load_recipe
 
     recipe = {"model": str(TINY), "evaluation": {"text": str(EVAL_TEXT), "window": 128, "max_windows": 4},
               "calibration": {"text": str(BUNDLED / "calib.txt"), "window": 128, "max_windows": 4},
-              "variants": [{"name": "qat-q4_0", "weights": {"method": "qat", "gguf": "Q4_0", "steps": 10},
+              "variants": [{"name": "qat", "weights": {"method": "qat", "gguf": file_type, "steps": 10, "e2e_steps": e2e_steps},
                             "exports": ["gguf", "safetensors"]}]}
     out = tmp_path / "out"
     report = run_recipe(load_recipe(write_recipe(tmp_path, recipe)), out, Console(quiet=True))
     row = report.rows[1]
-    assert row.method == "qat Q4_0 from rtn, 10 steps" and len(row.linear_errors) == 42
-    gguf_file = out / "qat-q4_0" / "tiny-Q4_0.gguf"
-    evaluated = load_file(out / "qat-q4_0" / "safetensors" / "model.safetensors")
+    assert row.method == f"qat {file_type} from rtn, 10 steps" + (f" + {e2e_steps} end to end" if e2e_steps else "")
+    trained_type = file_type[:4]  # Q4_0, Q4_K
+    gguf_file = out / "qat" / f"tiny-{file_type}.gguf"
+    evaluated = load_file(out / "qat" / "safetensors" / "model.safetensors")  # the weights as scored
     tensors = {t.name: t for t in GGUFReader(gguf_file).tensors}
-    for gguf_name, hf_name in [("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight"),
-                               ("blk.3.attn_v.weight", "model.layers.3.self_attn.v_proj.weight"),
-                               ("blk.5.attn_output.weight", "model.layers.5.self_attn.o_proj.weight")]:
-        t = tensors[gguf_name]
-        assert t.tensor_type.name == "Q4_0"
-        blocks = torch.from_numpy(np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(evaluated[hf_name].shape)
-        assert torch.equal(blocks, evaluated[hf_name]), gguf_name  # the trained grid, block for block
+    trained = 0
+    for hf_name, weights in evaluated.items():
+        name = gguf_name(hf_name)
+        if name is None or ".attn_q." in name or ".attn_k." in name:
+            continue  # not stored, or stored with llama.cpp's rows permuted
+        t = tensors[name]
+        stored = torch.from_numpy(np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(weights.shape)
+        assert torch.equal(stored, weights), name  # the trained grid block for block; the trained norms
+        trained += t.tensor_type.name == trained_type
+    assert trained >= 3 * 6  # o, gate, up (at least) of every layer on the trained grid
+    if e2e_steps:
+        original = HFCheckpoint.open(TINY)
+        assert not torch.equal(evaluated["model.norm.weight"], original.tensor("model.norm.weight").float())
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is the 'interop' extra (make test installs it)")
     windows = token_windows(load_tokenizer(HFCheckpoint.open(TINY)), EVAL_TEXT, 128, 4).numpy()
     llm = llama_cpp.Llama(model_path=str(gguf_file), n_ctx=128, n_batch=128, logits_all=True, verbose=False, n_threads=2)

@@ -2,7 +2,7 @@
 # Create the isolated virtualenv of one "anchor" (a third-party quantizer that
 # bench/ptq_table.py runs as a subprocess to compare against our own methods).
 #
-#   bench/anchors/setup.sh NAME        # NAME: gptqmodel | llmcompressor | vllm | llama-server | chromium
+#   bench/anchors/setup.sh NAME        # NAME: gptqmodel | llmcompressor | torchao | vllm | llama-server | chromium
 #
 # (vllm and llama-server are the engines bench/runner_speed.py times ours against; chromium is
 # Debian's browser, which tests/test_report_browser.py opens the report page in.)
@@ -15,7 +15,7 @@
 # not uv (uv does not see the local CPU wheel).
 set -euo pipefail
 
-usage() { echo "usage: $0 NAME   (NAME: gptqmodel | llmcompressor | vllm | llama-server | chromium)" >&2; exit 2; }
+usage() { echo "usage: $0 NAME   (NAME: gptqmodel | llmcompressor | torchao | vllm | llama-server | chromium)" >&2; exit 2; }
 [ $# -eq 1 ] || usage
 NAME=$1
 
@@ -97,6 +97,26 @@ from compressed_tensors.entrypoints.convert.converters import CompressedTensorsD
             "safetensors==0.8.0" \
             "accelerate==1.15.0" \
             "datasets==5.2.0" \
+            "numpy==2.4.6"
+        ;;
+    torchao)
+        # torchao 0.18's QAT (bench/anchors/torchao_qat.py, the baseline of bench/qat_table.py):
+        # torch 2.13.0 in the same pip command, transformers as in the main venv.
+        CHECK='import importlib.metadata as m
+assert m.version("torchao") == "0.18.0", m.version("torchao")
+assert m.version("torch").startswith("2.13.0"), m.version("torch")
+import transformers, safetensors
+from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig'
+        if [ "${ANCHOR_FORCE:-0}" != 1 ] && venv_ok "$CHECK"; then
+            echo "anchor torchao: $VENV already set up"
+            exit 0
+        fi
+        fresh_venv
+        pip_install "$TORCH_PIN" \
+            "torchao==0.18.0" \
+            "transformers==5.24.0" \
+            "tokenizers==0.23.3" \
+            "safetensors==0.8.0" \
             "numpy==2.4.6"
         ;;
     vllm)

@@ -55,6 +55,30 @@ def quantize_q2_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
     return _quantize(x, qw, 84, _encode_q2_k)
 
 
+def q4_k_parts(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The grid Q4_K bytes store, per super-block of 256: ``d``, ``dmin`` [B] (float32, from fp16),
+    the 6-bit scales and mins of its 8 sub-blocks ``sc``, ``m`` [B, 8] and the 4-bit levels ``q``
+    [B, 256] (uint8), each value ``d·sc_j·q − dmin·m_j``."""
+    b = raw.reshape(-1, 144)
+    d = np.ascontiguousarray(b[:, 0:2]).view(np.float16).astype(_F32).ravel()
+    dmin = np.ascontiguousarray(b[:, 2:4]).view(np.float16).astype(_F32).ravel()
+    sc, m = _unpack_k4(b[:, 4:16])
+    qs = b[:, 16:].reshape(-1, 4, 32)
+    q = np.stack([qs & 15, qs >> 4], axis=2).reshape(-1, QK_K)
+    return d, dmin, np.ascontiguousarray(sc.T), np.ascontiguousarray(m.T), q
+
+
+def q4_k_from_parts(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, m: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Q4_K bytes [B, 144] of a grid chosen elsewhere (quantization-aware training), as
+    ``q4_k_parts`` reads it: fp16 ``d`` and ``dmin``, integer ``sc`` and ``m`` in 0..63 and levels
+    in 0..15, stored as they are rather than searched again."""
+    scales = _pack_k4(sc.T.astype(np.int64), m.T.astype(np.int64))
+    pairs = q.astype(np.uint8).reshape(-1, 4, 2, 32)
+    qs = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
+    return np.concatenate([_f16_bytes(np.asarray(d, _F32)), _f16_bytes(np.asarray(dmin, _F32)), scales,
+                           qs.reshape(-1, 128)], axis=1)
+
+
 # ------------------------------------------------------------------------------------------------
 # Driver
 

@@ -11,6 +11,7 @@ Linears.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
@@ -48,11 +49,12 @@ class WeightMethod:
         """Whether these weights are fitted layer by layer on calibration text (``fit``)."""
         return False
 
-    def fit(self, ckpt: HFCheckpoint, variant, windows: torch.Tensor,
-            report: Callable[[str], None] | None = None) -> Iterator[LayerResult]:
+    def fit(self, ckpt: HFCheckpoint, variant, windows: torch.Tensor, report: Callable[[str], None] | None = None,
+            checkpoint: Path | None = None) -> Iterator[LayerResult]:
         """The layer-by-layer pass on the calibration ``windows``: each decoder layer's tensors
         as the variant stores them, as the layers stream from the checkpoint. A long pass may
-        ``report`` where it is (a line for the progress bar: a training loss, say)."""
+        ``report`` where it is (a line for the progress bar: a training loss, say), and may keep
+        its progress in the ``checkpoint`` folder, to take up again if the job is killed."""
         raise NotImplementedError
 
     def quantize(self, ckpt: HFCheckpoint, variant, plan: Plan, name: str, tensor: torch.Tensor,

@@ -13,7 +13,7 @@ class GPTQ(WeightMethod):
     def fits(self, weights) -> bool:
         return True
 
-    def fit(self, ckpt, variant, windows, report=None):
+    def fit(self, ckpt, variant, windows, report=None, checkpoint=None):
         w = variant.weights
         for results in gptq_model(ckpt, windows, w.spec, w.settings, w.targets, w.ignore):
             yield LayerResult({n: r.tensor for n, r in results.items()}, {},

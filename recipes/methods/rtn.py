@@ -14,7 +14,7 @@ class RTN(WeightMethod):
     def fits(self, weights) -> bool:
         return weights.outliers is not None
 
-    def fit(self, ckpt, variant, windows, report=None):
+    def fit(self, ckpt, variant, windows, report=None, checkpoint=None):
         w = variant.weights
         return mixed_precision_model(ckpt, windows, w.spec, w.outliers.rule, chosen_modules(ckpt, w))
 
