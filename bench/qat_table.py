@@ -4,7 +4,7 @@ what 2- and 3-bit post-training quantization loses?
     python bench/qat_table.py --model DIR --calib FILE --eval FILE [--json]
         [--configs 4:128 3:128 2:64] [--methods rtn gptq qat torchao-qat] [--calib-windows 32]
         [--window 512] [--seed 0] [--eval-windows 16] [--steps 200] [--lr 0.02] [--batch 2]
-        [--e2e-steps 0] [--e2e-lr 1e-3] [--torchao-steps 400] [--torchao-lr 2e-5] [--gguf]
+        [--e2e-steps 0] [--e2e-lr 1e-3] [--torchao-steps 400] [--torchao-lr 1e-4] [--gguf]
 
 Every method quantizes the decoder's Linear weights asymmetrically (the grid QAT defaults to) at
 each ``bits:group_size`` config from the same calibration windows, in its own process (so its time
@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--e2e-lr", type=float, default=1e-3)
     parser.add_argument("--methods", nargs="*", choices=METHODS, default=list(METHODS))
     parser.add_argument("--torchao-steps", type=int, default=400, help="torchao's QAT: end-to-end steps")
-    parser.add_argument("--torchao-lr", type=float, default=2e-5)
+    parser.add_argument("--torchao-lr", type=float, default=1e-4)
     parser.add_argument("--gguf", action="store_true", help="also: a Q4_0 QAT file against llama.cpp's Q4_0 and Q4_K_M, in llama.cpp")
     args = parser.parse_args()
     configs = [tuple(int(x) for x in c.split(":")) for c in args.configs]

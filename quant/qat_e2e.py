@@ -158,7 +158,7 @@ def _student(ckpt: HFCheckpoint, layers: list[LayerResult], device: torch.device
 def _results(layers: list[LayerResult], linears: dict[str, _CodesLinear], norms: dict) -> list[LayerResult]:
     """The layers' results with the trained scales and norms; the final norm goes with the last layer."""
     out = []
-    for index, layer in enumerate(layers):
+    for layer in layers:
         tensors = dict(layer.tensors)
         for name in tensors:
             module = name.removesuffix(".weight")
@@ -166,10 +166,9 @@ def _results(layers: list[LayerResult], linears: dict[str, _CodesLinear], norms:
                 tensors[name] = linears[module].codes.quantized()
             elif name in norms:
                 tensors[name] = norms[name].detach().cpu().clone()
-        if index == len(layers) - 1:
-            tensors.update({n: p.detach().cpu().clone() for n, p in norms.items() if n not in
-                            {k for layer in layers for k in layer.tensors}})
         out.append(LayerResult(tensors, layer.statistics, layer.errors))
+    placed = {n for layer in out for n in layer.tensors}
+    out[-1].tensors.update({n: p.detach().cpu().clone() for n, p in norms.items() if n not in placed})
     return out
 
 

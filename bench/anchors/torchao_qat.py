@@ -4,7 +4,7 @@ bench/qat_table.py.
 Runs INSIDE the anchor venv made by ``bench/anchors/setup.sh torchao``::
 
     .anchors/torchao/bin/python bench/anchors/torchao_qat.py --model DIR \
-        --windows WINDOWS.safetensors --bits 3 --group-size 128 --steps 400 --lr 2e-5 \
+        --windows WINDOWS.safetensors --bits 3 --group-size 128 --steps 400 --lr 1e-4 \
         --batch 2 --out OUT_DIR
 
 torchao's QAT flow as its documentation gives it for Llama models: ``quantize_(model,
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--bits", type=int, required=True)
     p.add_argument("--group-size", type=int, required=True)
     p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
