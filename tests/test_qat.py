@@ -228,7 +228,7 @@ def test_a_gguf_qat_file_holds_the_trained_blocks_and_runs_in_llama_cpp(tmp_path
         if name is None or ".attn_q." in name or ".attn_k." in name:
             continue  # not stored, or stored with llama.cpp's rows permuted
         t = tensors[name]
-        stored = torch.from_numpy(np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(weights.shape)
+        stored = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(weights.shape)
         assert torch.equal(stored, weights), name  # the trained grid block for block; the trained norms
         trained += t.tensor_type.name == trained_type
     assert trained >= 3 * 6  # o, gate, up (at least) of every layer on the trained grid
