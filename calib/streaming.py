@@ -12,6 +12,7 @@ them live there), else on the CPU.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import fields, is_dataclass, replace
 from typing import Iterator, NamedTuple, TypeVar
@@ -75,6 +76,7 @@ def walk_layers(ckpt: HFCheckpoint, model: torch.nn.Module, windows: torch.Tenso
     and its inputs for the token ``windows``. Whatever the consumer changes in the layer before
     asking for the next one (quantized weights, folded scales) is what the layer's outputs, the
     next layer's inputs, are computed with; then the layer returns to the meta device."""
+    _map_large_allocations()
     device = working_device()
     embedding = model.get_input_embeddings()
     _load(ckpt, embedding, _name_of(model, embedding), device)
@@ -109,6 +111,22 @@ def float_logits(ckpt: HFCheckpoint, windows: torch.Tensor, chunk: int = 4) -> I
     with torch.inference_mode():
         for i in range(0, len(hidden), chunk):
             yield norm(hidden[i : i + chunk]) @ weight.T
+
+
+@functools.cache
+def _map_large_allocations() -> None:
+    """Have glibc give every allocation over 128 KiB its own mapping, returned to the system when
+    freed. By default glibc raises that threshold as large blocks are freed, and then carves the
+    next layer's tensors, of other sizes, out of a heap whose holes it reuses poorly: the QAT walk
+    over the 1B model grew by about 60 MiB a layer that way (3368 MiB after layer 0, 4468 after
+    layer 13), and stays at 2908 MiB with the threshold fixed, at the same speed. A no-op off glibc."""
+    try:
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+    except (OSError, AttributeError):
+        pass
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 
 def _load(ckpt: HFCheckpoint, module: torch.nn.Module, prefix: str, device: torch.device) -> None:

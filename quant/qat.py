@@ -96,8 +96,7 @@ def qat_model(ckpt: HFCheckpoint, windows: torch.Tensor, spec: Grid, settings: Q
         else:  # trained before the run was stopped: the next layers see what it computes
             for name, tensor in result.tensors.items():
                 if isinstance(tensor, QUANTIZED):
-                    module = step.layer.get_submodule(name.removeprefix(step.prefix).removesuffix(".weight"))
-                    module.weight.data = tensor.dequantize().to(module.weight.device, module.weight.dtype)
+                    _assign(step.layer.get_submodule(name.removeprefix(step.prefix).removesuffix(".weight")), tensor)
         if settings.e2e_steps:
             layers.append(result)
         else:
@@ -129,12 +128,17 @@ def qat_layer(step: LayerStep, spec: Grid, settings: QATSettings, modules: Colle
     trained = _train(layer, inputs, targets, weights, grids, settings, on_step or (lambda i, loss: None))
     results, errors = {}, {}
     for n, tensor in trained.items():
-        linears[n].weight.data = tensor.dequantize().to(linears[n].weight.dtype)
+        _assign(linears[n], tensor)
         errors[base + n] = relative_error(floats[n], linears[n].weight.data, hessians[n])
         results[f"{base}{n}.weight"] = to_cpu(tensor)
     for name, param in layer.named_parameters(prefix=base.rstrip(".")):
         results.setdefault(name, param.detach().cpu().clone())
     return LayerResult(results, {}, errors)
+
+
+def _assign(linear: torch.nn.Linear, tensor: QuantizedTensor | GGMLTensor) -> None:
+    """The Linear computes with the trained grid's weights from here on."""
+    linear.weight.data = tensor.dequantize().to(linear.weight.device, linear.weight.dtype)
 
 
 def _errors_on_float_inputs(ckpt: HFCheckpoint, windows: torch.Tensor, layers: list[LayerResult]) -> list[dict[str, float]]:
