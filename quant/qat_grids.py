@@ -60,15 +60,17 @@ class _IntGrid(torch.nn.Module):
     def scale(self) -> torch.Tensor:
         return _fp16((self.relative * self.step).clamp(min=_FP16_TINY))
 
-    def forward(self) -> torch.Tensor:
+    def _codes(self, rounding) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.scale()
-        codes = (_round(self.units * self.step / s) + self.zeros).clamp(0, 2**self.spec.bits - 1)
+        return (rounding(self.units * self.step / s) + self.zeros).clamp(0, 2**self.spec.bits - 1), s
+
+    def forward(self) -> torch.Tensor:
+        codes, s = self._codes(_round)
         return ((codes - self.zeros) * s).reshape(self.units.shape[0], -1)
 
     @torch.no_grad()
     def quantized(self) -> QuantizedTensor:
-        s = self.scale()
-        codes = (torch.round(self.units * self.step / s) + self.zeros).clamp(0, 2**self.spec.bits - 1)
+        codes, s = self._codes(torch.round)
         out = self.units.shape[0]
         return QuantizedTensor(self.spec, codes.reshape(out, -1).to(torch.uint8), s.squeeze(-1).contiguous(),
                                self.zeros.squeeze(-1).contiguous())
