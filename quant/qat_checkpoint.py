@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from quant.types import GGMLTensor, InputError, LayerResult, QuantizedTensor, QuantSpec
 
@@ -82,8 +82,7 @@ class QATCheckpoint:
         if not path.exists():
             return None
         try:
-            with safe_open(path, "pt") as f:
-                meta = f.metadata() or {}
-            return load_file(path), meta
+            with safe_open(path, "pt") as f:  # the tensors and the metadata in one read
+                return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
         except (SafetensorError, OSError, ValueError) as e:
             raise InputError(f"{path}: a damaged QAT checkpoint ({e}); delete it to train that part again") from None
