@@ -81,6 +81,34 @@ def from_transformers(hf, config: dict, where: str) -> Architecture:
         shared_experts=getattr(text, "n_shared_experts", 0) or 0,
         latent_cache=kv_lora + text.qk_rope_head_dim if kv_lora else None,
         explicit_head_dim=bool(raw.get("head_dim")),
+        **_conventions(text, hidden, head_dim, where),
+    )
+
+
+_GEMMA = ("gemma", "gemma2", "gemma3_text")
+
+
+def _conventions(text, hidden: int, head_dim: int, where: str) -> dict:
+    """The forward-pass conventions (``Architecture``'s fields after ``explicit_head_dim``) of a
+    transformers text config: Gemma's norms, scales, soft-caps and local rope, Qwen3's and Gemma
+    3's q/k norms, Phi-3's fused projections."""
+    kind = text.model_type
+    scalar = getattr(text, "query_pre_attn_scalar", None)
+    params = getattr(text, "rope_parameters", None)
+    local = params.get("sliding_attention") if isinstance(params, dict) else None
+    return dict(
+        norm_offset=1.0 if kind in _GEMMA else 0.0,
+        post_norms=kind in ("gemma2", "gemma3_text"),
+        qk_norm=kind in ("qwen3", "gemma3_text"),
+        embedding_scale=hidden ** 0.5 if kind in _GEMMA else 1.0,
+        query_scale=_positive(scalar, "query_pre_attn_scalar", where) ** -0.5 if scalar is not None else None,
+        attn_softcap=_positive(text.attn_logit_softcapping, "attn_logit_softcapping", where)
+        if getattr(text, "attn_logit_softcapping", None) is not None else None,
+        final_softcap=_positive(text.final_logit_softcapping, "final_logit_softcapping", where)
+        if getattr(text, "final_logit_softcapping", None) is not None else None,
+        activation=str(getattr(text, "hidden_activation", None) or getattr(text, "hidden_act", None) or "silu"),
+        local_rope=_rope_params(local, {}, text, head_dim, where) if isinstance(local, dict) else None,
+        fused_projections=kind == "phi3",
     )
 
 def from_gguf(fields: dict, tensors: dict[str, tuple[int, ...]], where: str) -> Architecture:
@@ -103,6 +131,7 @@ def from_gguf(fields: dict, tensors: dict[str, tuple[int, ...]], where: str) -> 
     head_dim = meta.whole(f"{arch}.attention.key_length", 1, _LARGE, hidden // max(heads) or None)
     value_dim = meta.whole(f"{arch}.attention.value_length", 1, _LARGE, head_dim)
     window = meta.whole(f"{arch}.attention.sliding_window", 0, _LARGE, 0)
+    softcap = {k: fields.get(f"{arch}.{k}_logit_softcapping") for k in ("attn", "final")}
     tokens = fields.get("tokenizer.ggml.tokens")
     if "token_embd.weight" in tensors:
         vocab = tensors["token_embd.weight"][0]
@@ -134,15 +163,35 @@ def from_gguf(fields: dict, tensors: dict[str, tuple[int, ...]], where: str) -> 
         rope=Rope(float(theta) if isinstance(theta, (int, float)) else 10000.0,
                   dims=meta.whole(f"{arch}.rope.dimension_count", 0, _LARGE, head_dim)),
         tied_embeddings="output.weight" not in tensors,
-        windows=(window or None,) * layers,
+        windows=llama_cpp_windows(arch, layers, window),
         qkv_bias="blk.0.attn_q.bias" in tensors,
         output_bias="blk.0.attn_output.bias" in tensors,
         experts=experts,
         experts_per_token=used,
+        post_norms="blk.0.post_attention_norm.weight" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        attn_softcap=float(softcap["attn"]) if isinstance(softcap["attn"], (int, float)) and softcap["attn"] else None,
+        final_softcap=float(softcap["final"]) if isinstance(softcap["final"], (int, float)) and softcap["final"] else None,
+        fused_projections="blk.0.attn_qkv.weight" in tensors,
     )
 
 
 _LARGE = 1 << 31
+
+
+# llama.cpp's layer pattern of sliding-window attention, by architecture: it reads only the window
+# from the file, and which layers slide it knows by itself (llama_hparams::set_swa_pattern).
+SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+
+
+def llama_cpp_windows(arch: str, layers: int, window: int) -> tuple[int | None, ...]:
+    """The sliding window of each layer as llama.cpp runs a GGUF file of ``arch`` with
+    ``attention.sliding_window`` = ``window``: a pattern of n has every n-th layer global; Phi-3's
+    window is read and then switched off (llama.cpp's "Phi SWA is currently disabled")."""
+    if not window or arch == "phi3":
+        return (None,) * layers
+    n = SLIDING_PATTERN.get(arch, 1)
+    return tuple(window if n == 1 or i % n < n - 1 else None for i in range(layers))
 
 
 class _GGUFMetadata:
@@ -181,10 +230,13 @@ def _rope_of(text, raw: dict, head_dim: int, where: str) -> Rope:
     params = getattr(text, "rope_parameters", None) or raw.get("rope_scaling") or {}
     if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
         params = params["full_attention"]
-    if not isinstance(params, dict):
-        params = {}
+    return _rope_params(params if isinstance(params, dict) else {}, raw, text, head_dim, where)
+
+
+def _rope_params(params: dict, raw: dict, text, head_dim: int, where: str) -> Rope:
+    """The rope of one set of transformers rope parameters."""
     theta = params.get("rope_theta", raw.get("rope_theta", getattr(text, "rope_theta", 10000.0)))
-    partial = getattr(text, "partial_rotary_factor", None) or 1.0
+    partial = params.get("partial_rotary_factor") or getattr(text, "partial_rotary_factor", None) or 1.0
     rope = Rope(
         theta=_positive(theta, "rope_theta", where),
         scaling=str(params.get("rope_type", params.get("type", "default")) or "default"),

@@ -17,6 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
 
 from formats.hf import HFCheckpoint
 from formats.sentencepiece_model import read_sentencepiece
+from formats.architecture import SLIDING_PATTERN, llama_cpp_windows
 from quant.types import GGUF_ARCHITECTURES, Architecture, GGMLTensor, InputError
 
 
@@ -34,7 +35,15 @@ _LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",  # Qwen3, Gemma 3
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",  # Phi-3 keeps its fused projections fused
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",  # Gemma 2/3
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
+# Gemma's post_attention_layernorm norms the attention's output; Llama's, the MLP's input.
+_POST_NORM_NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight"}
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -43,16 +52,17 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def gguf_name(hf_name: str) -> str | None:
-    """The llama.cpp name of an HF tensor, or None for tensors the converter drops."""
+def gguf_name(hf_name: str, arch: Architecture) -> str | None:
+    """The llama.cpp name of an HF tensor of a model of ``arch``, or None for tensors the converter drops."""
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     m = _LAYER_RE.match(hf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    names = {**_LAYER_NAMES, **_POST_NORM_NAMES} if arch.post_norms else _LAYER_NAMES
+    if m and m.group(2) in names:
+        return f"blk.{m.group(1)}.{names[m.group(2)]}"
     if hf_name.endswith("rotary_emb.inv_freq"):
         return None
-    raise InputError(f"tensor '{hf_name}' has no GGUF name (supported layouts: Llama, Mistral, Qwen2)")
+    raise InputError(f"tensor '{hf_name}' has no GGUF name (supported layouts: {', '.join(sorted(set(GGUF_ARCHITECTURES.values())))})")
 
 
 def gguf_order(name: str) -> tuple[int, str]:
@@ -68,6 +78,7 @@ def architecture_of(ckpt: HFCheckpoint) -> str:
             f"{ckpt.path}: model_type '{ckpt.arch.model_type}' ({ckpt.architecture}) is not supported for GGUF export "
             f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})"
         )
+    _check_llama_cpp_assumptions(ckpt.arch, ckpt.path / "config.json")
     return ckpt.arch.gguf_arch
 
 
@@ -78,7 +89,6 @@ class GGUFFileWriter:
     def __init__(self, path: Path, ckpt: HFCheckpoint, file_type_id: int, plan: list[tuple[str, tuple[int, ...], str]]):
         self.path = path
         self.arch = ckpt.arch
-        self._order = [hf for hf, _, _ in plan]
         writer = GGUFWriter(None, architecture_of(ckpt))
         writer.add_name(ckpt.path.name)
         writer.add_file_type(file_type_id)
@@ -89,33 +99,48 @@ class GGUFFileWriter:
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:  # a damaged tokenizer file
             raise InputError(f"{ckpt.path}: the tokenizer files are not a tokenizer this converter reads "
                              f"({type(e).__name__}: {str(e)[:80]})") from None
-        generated = _generated_tensors(self.arch)
-        for name, data in generated.items():  # first, as llama.cpp's converter writes them
-            writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes)
-        for hf_name, shape, ggml_type in plan:
-            qtype = GGMLQuantizationType[ggml_type]
-            writer.add_tensor_info(gguf_name(hf_name), shape, np.dtype(np.float32), _nbytes(shape, qtype), raw_dtype=qtype)
+        # Tensors the checkpoint lacks (rope_freqs) take their place in llama.cpp's order, as
+        # llama-quantize writes them; each is written when the tensor before it has been.
+        self._generated = _generated_tensors(self.arch)
+        entries = [(gguf_name(hf, self.arch), hf, shape, ggml_type) for hf, shape, ggml_type in plan]
+        entries += [(name, None, data.shape, None) for name, data in self._generated.items()]
+        entries.sort(key=lambda e: gguf_order(e[0]))
+        for name, hf_name, shape, ggml_type in entries:
+            if hf_name is None:
+                data = self._generated[name]
+                writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes)
+            else:
+                qtype = GGMLQuantizationType[ggml_type]
+                writer.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(shape, qtype), raw_dtype=qtype)
         writer.write_header_to_file(self.path)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for data in generated.values():
-            writer.write_tensor_data(data)
         self._writer = writer
+        self._sequence = [hf_name or name for name, hf_name, _, _ in entries]
         self._next = 0
+        self._write_generated()
+
+    def _write_generated(self) -> None:
+        while self._next < len(self._sequence) and self._sequence[self._next] in self._generated:
+            self._writer.write_tensor_data(self._generated[self._sequence[self._next]])
+            self._next += 1
 
     def add(self, hf_name: str, payload: GGMLTensor) -> None:
-        if self._order[self._next] != hf_name:
-            raise RuntimeError(f"tensor '{hf_name}' arrived out of plan order (expected '{self._order[self._next]}')")
+        if self._sequence[self._next] != hf_name:
+            raise RuntimeError(f"tensor '{hf_name}' arrived out of plan order (expected '{self._sequence[self._next]}')")
         self._next += 1
         raw = payload.raw
         if hf_name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")) and self.arch.rope_pairs_adjacent_in_gguf:
             raw = _permute_rows(raw, self.arch.kv_heads[0] if ".k_proj." in hf_name else self.arch.heads)
+        if self.arch.norm_offset and hf_name.endswith("norm.weight"):  # norms stay F32 in every file type
+            raw = raw + np.float32(self.arch.norm_offset)
         self._writer.write_tensor_data(np.ascontiguousarray(raw))
+        self._write_generated()
 
     def finish(self) -> Path:
         self._writer.close()
-        if self._next != len(self._order):
-            raise RuntimeError(f"GGUF export incomplete: {self._next} of {len(self._order)} tensors written")
+        if self._next != len(self._sequence):
+            raise RuntimeError(f"GGUF export incomplete: {self._next} of {len(self._sequence)} tensors written")
         return self.path
 
     def abort(self) -> None:
@@ -146,7 +171,7 @@ def _add_hparams(writer: GGUFWriter, arch: Architecture) -> None:
         writer.add_rope_scaling_factor(rope.factor)
     elif rope.scaling == "llama3" and arch.gguf_arch != "llama":
         raise InputError("config.json: rope type 'llama3' is only supported for llama models in GGUF export")
-    elif rope.scaling not in ("default", "llama3"):  # llama3: the rope_freqs tensor carries it
+    elif rope.scaling not in ("default", "llama3"):  # Phi-3's longrope among them  # llama3: the rope_freqs tensor carries it
         raise InputError(f"config.json: rope type '{rope.scaling}' is not supported for GGUF export yet (supported: default, linear, llama3)")
     writer.add_context_length(arch.max_context)
     writer.add_embedding_length(arch.hidden)
@@ -161,6 +186,43 @@ def _add_hparams(writer: GGUFWriter, arch: Architecture) -> None:
     if arch.explicit_head_dim:  # as llama.cpp's converter: only where config.json gives head_dim
         writer.add_key_length(arch.head_dim)
         writer.add_value_length(arch.value_dim)
+    windows = {w for w in arch.windows if w is not None}
+    if windows or arch.gguf_arch in ("gemma2", "gemma3", "phi3"):  # phi3: 0 says "none" (Phi-4)
+        writer.add_sliding_window(windows.pop() if windows else 0)
+    if arch.attn_softcap is not None:
+        writer.add_attn_logit_softcapping(arch.attn_softcap)
+    if arch.final_softcap is not None:
+        writer.add_final_logit_softcapping(arch.final_softcap)
+
+
+def _check_llama_cpp_assumptions(arch: Architecture, where: Path) -> None:
+    """Refuse a model that llama.cpp would run differently from transformers because it takes
+    something for granted that this config changes: Gemma's layer pattern of sliding windows, its
+    attention scale, its soft-caps and Gemma 3's local rope."""
+    kind = arch.gguf_arch
+    windows = [w for w in arch.windows if w is not None]
+    if len(set(windows)) > 1:
+        raise InputError(f"{where}: sliding windows of several sizes ({sorted(set(windows))}); GGUF holds one")
+    if kind in SLIDING_PATTERN:
+        expected = llama_cpp_windows(kind, arch.layers, windows[0] if windows else 0)
+        if tuple(arch.windows) != expected:
+            raise InputError(f"{where}: layer_types do not follow llama.cpp's {kind} pattern (every "
+                             f"{SLIDING_PATTERN[kind]}th layer global, the others sliding)")
+        large = {"gemma2": 46, "gemma3": 62}[kind]  # llama.cpp's 27B: its scale from the hidden size
+        scale = (arch.hidden // arch.heads if arch.layers == large else arch.head_dim) ** -0.5
+        if arch.query_scale is not None and abs(arch.score_scale - scale) > 1e-6 * scale:
+            raise InputError(f"{where}: query_pre_attn_scalar {arch.score_scale ** -2:g} is not the "
+                             f"{scale ** -2:g} llama.cpp assumes for a {arch.layers}-layer {kind}")
+    if kind == "gemma2" and (arch.attn_softcap is None or arch.final_softcap is None):
+        raise InputError(f"{where}: a gemma2 config without attn_logit_softcapping and final_logit_softcapping "
+                         "(llama.cpp always soft-caps Gemma 2)")
+    if kind == "gemma3":
+        if arch.attn_softcap is not None:
+            raise InputError(f"{where}: attn_logit_softcapping is set; llama.cpp's gemma3 does not soft-cap attention")
+        local = arch.local_rope
+        if local is not None and (local.theta != 10000.0 or local.scaling != "default"):
+            raise InputError(f"{where}: the sliding layers' rope (theta {local.theta:g}, {local.scaling}) is not "
+                             "the theta 10000 default rope llama.cpp's gemma3 gives them")
 
 
 def _generated_tensors(arch: Architecture) -> dict[str, np.ndarray]:

@@ -269,7 +269,8 @@ class MixedPrecisionTensor:
 
 
 # Hugging Face model_type -> llama.cpp's architecture (Mistral's dense models are llama to llama.cpp).
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                      "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
 
 
 @dataclass(frozen=True)
@@ -313,6 +314,26 @@ class Architecture:
     shared_experts: int = 0
     latent_cache: int | None = None  # multi-head latent attention: values one token caches per layer
     explicit_head_dim: bool = False  # config.json names head_dim (llama.cpp's converter then writes key_length)
+    # Conventions beyond Llama's, each named after what it changes in the forward pass:
+    norm_offset: float = 0.0  # Gemma: a norm scales by (offset + weight); llama.cpp's files hold the sum
+    post_norms: bool = False  # Gemma 2/3: the attention and MLP outputs are normed before the residual
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head's queries and keys, before rope
+    embedding_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden)
+    query_scale: float | None = None  # attention's score scale where it is not head_dim ** -0.5 (Gemma)
+    attn_softcap: float | None = None  # Gemma 2: scores become cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: the same on the logits
+    activation: str = "silu"  # the MLP gate's: silu, or gelu_pytorch_tanh (Gemma)
+    local_rope: Rope | None = None  # Gemma 3: the sliding-window layers' own rope
+    fused_projections: bool = False  # Phi-3: one qkv_proj and one gate_up_proj per layer
+
+    @property
+    def score_scale(self) -> float:
+        """What attention multiplies query-key products by."""
+        return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
+
+    def rope_of(self, layer: int) -> Rope:
+        """The rope ``layer`` rotates with (Gemma 3's sliding layers have their own)."""
+        return self.local_rope if self.local_rope is not None and self.windows[layer] is not None else self.rope
 
     @property
     def gguf_arch(self) -> str | None:

@@ -97,7 +97,7 @@ def imatrix_command(
     with progress_bar(console) as progress:
         means, tokens = compute_imatrix(ckpt, text, progress, windows)
     with Outputs() as outputs:
-        write_imatrix(outputs.stage(out), {gguf_name(n): v for n, v in means.items()}, tokens, [str(text)], 512)
+        write_imatrix(outputs.stage(out), {gguf_name(n, ckpt.arch): v for n, v in means.items()}, tokens, [str(text)], 512)
         outputs.commit()
     stdout.print(escape(f"{out}: {len(means)} matrices from {tokens} tokens of {text}"))
 

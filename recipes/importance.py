@@ -47,7 +47,7 @@ def load_or_compute_imatrix(ckpt: HFCheckpoint, path: Path, progress: Progress) 
         head = f.read(4)
     if head == b"GGUF" or path.suffix == ".dat":
         by_gguf = read_imatrix(path)
-        by_hf = {gguf_name(n): n for n in ckpt.names if gguf_name(n)}
+        by_hf = {gguf_name(n, ckpt.arch): n for n in ckpt.names if gguf_name(n, ckpt.arch)}
         unknown = sorted(set(by_gguf) - set(by_hf))
         if unknown:
             raise InputError(f"{path}: imatrix entry '{unknown[0]}' matches no tensor of {ckpt.path}")

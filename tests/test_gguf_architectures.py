@@ -5,52 +5,15 @@ the bundled tokenizer; llama.cpp must compute the same next-token distribution a
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 
 from conftest import BUNDLED, EVAL_TEXT, TINY
 from formats.gguf import _PRE_PATTERNS
 from formats.hf import HFCheckpoint
+from model_zoo import llama_cpp_and_transformers, make_model
 from quant.types import InputError
 from recipes.variants import build_variant, gguf_variant
-
-SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=8192, max_position_embeddings=512, rms_norm_eps=1e-5,
-             bos_token_id=0, eos_token_id=0, tie_word_embeddings=False, initializer_range=0.2)
-
-
-def make_model(folder, model_type: str, tokenizer_from=TINY, **extra):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, **{**SMALL, **extra})
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)  # make the biases matter (they start at zero)
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json") if tokenizer_from else ():
-        shutil.copyfile(tokenizer_from / name, folder / name)
-    return folder
-
-
-def llama_vs_transformers(folder, tmp_path):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is the 'interop' extra")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    ckpt = HFCheckpoint.open(folder)
-    path = build_variant(ckpt, gguf_variant("F32"), tmp_path, keep_weights=False, gguf_path=tmp_path / "m.gguf").files[0]
-    ids = AutoTokenizer.from_pretrained(folder)(EVAL_TEXT.read_text()[:4000], add_special_tokens=False)["input_ids"][:128]
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=2,
-                          type_k=0, type_v=0)  # F32 KV cache: compare the model, not f16 cache rounding
-    llm.eval(ids)
-    ours = torch.log_softmax(torch.tensor(np.asarray(llm.scores[: len(ids)]), dtype=torch.float64), -1)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        ref = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
-    return ours, ref
 
 
 @pytest.mark.parametrize("model_type, extra", [
@@ -60,7 +23,7 @@ def llama_vs_transformers(folder, tmp_path):
 ])
 def test_llama_cpp_computes_what_transformers_computes(tmp_path, model_type, extra):
     folder = make_model(tmp_path / model_type, model_type, **extra)
-    ours, ref = llama_vs_transformers(folder, tmp_path)
+    ours, ref = llama_cpp_and_transformers(folder, tmp_path)
     diff = (ours - ref).abs()
     print(f"{model_type}: mean |dlogp| {diff.mean():.2e}, max {diff.max():.2e}")
     # A wrong permutation, bias or rope setting gives errors of whole nats.
@@ -77,7 +40,7 @@ def test_llama3_rope_scaling_is_carried_by_rope_freqs(tmp_path):
     rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     folder = make_model(tmp_path / "l31", "llama", rope_parameters=rope)
-    ours, ref = llama_vs_transformers(folder, tmp_path)
+    ours, ref = llama_cpp_and_transformers(folder, tmp_path)
     assert (ours - ref).abs().mean() < 1e-4
     unscaled = make_model(tmp_path / "l3", "llama")
     ids = torch.tensor([list(range(100, 228))])
@@ -115,7 +78,7 @@ def test_unsupported_architecture_is_refused(tmp_path):
     folder = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=256, n_positions=64)).save_pretrained(folder)
     shutil.copy(TINY / "tokenizer.json", folder)
-    with pytest.raises(InputError, match="model_type 'gpt2'.*not supported.*llama, mistral, qwen2"):
+    with pytest.raises(InputError, match="model_type .gpt2.*not supported.*gemma2, gemma3, gemma3_text, llama, mistral, phi3, qwen2, qwen3"):
         build_variant(HFCheckpoint.open(folder), gguf_variant("Q8_0"), tmp_path)
     assert not list(tmp_path.glob("**/*.gguf*"))
 
@@ -201,7 +164,7 @@ def test_sentencepiece_tokenizer_tokenizes_like_transformers(llama2_folder, tmp_
 
 
 def test_llama_cpp_computes_what_transformers_computes_with_sentencepiece(llama2_folder, tmp_path):
-    ours, ref = llama_vs_transformers(llama2_folder, tmp_path)
+    ours, ref = llama_cpp_and_transformers(llama2_folder, tmp_path)
     assert (ours - ref).abs().mean() < 1e-4
 
 

@@ -53,7 +53,7 @@ def test_every_tensor_matches_llama_quantize(model, file_type, with_imatrix):
     tag = f"{file_type}-{'imatrix' if with_imatrix else 'ref'}"
     ours = build_variant(ckpt, gguf_variant(file_type, with_imatrix), folder, keep_weights=False,
                          imatrix=imatrix if with_imatrix else None, gguf_path=folder / f"ours-{tag}.gguf").files[0]
-    by_gguf_name = {gguf_name(n): v for n, v in imatrix.items()} if with_imatrix else None
+    by_gguf_name = {gguf_name(n, ckpt.arch): v for n, v in imatrix.items()} if with_imatrix else None
     theirs = folder / f"llama-{tag}.gguf"
     ggml_oracle.llama_quantize_file(f32, theirs, FILE_TYPES[file_type].id, imatrix=by_gguf_name)
     a, b = tensors(ours), tensors(theirs)

@@ -8,9 +8,13 @@ from gguf import GGUFReader
 
 from conftest import BUNDLED, TINY
 from formats.gguf import gguf_name
+from formats.hf import HFCheckpoint
 from formats.imatrix import read_imatrix, write_imatrix
 from quant.types import InputError
 from test_cli import assert_user_error, quantize
+
+
+TINY_ARCH = HFCheckpoint.open(TINY).arch
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +40,7 @@ def test_every_decoder_linear_gets_a_positive_column_profile(tiny_imatrix):
 
 def test_gguf_imatrix_round_trip(tmp_path, tiny_imatrix):
     means, tokens = tiny_imatrix
-    by_gguf = {gguf_name(n): v for n, v in means.items()}
+    by_gguf = {gguf_name(n, TINY_ARCH): v for n, v in means.items()}
     path = tmp_path / "im.gguf"
     write_imatrix(path, by_gguf, tokens, ["calib.txt"], 512)
     reader = GGUFReader(path)  # the layout llama-quantize reads: <name>.in_sum2 / <name>.counts
@@ -78,7 +82,7 @@ def test_export_with_an_imatrix_file_matches_llama_quantize(tmp_path, tiny_imatr
 
     means, tokens = tiny_imatrix
     path = tmp_path / "im.gguf"
-    write_imatrix(path, {gguf_name(n): v for n, v in means.items()}, tokens, ["calib.txt"], 512)
+    write_imatrix(path, {gguf_name(n, TINY_ARCH): v for n, v in means.items()}, tokens, ["calib.txt"], 512)
     code, _, err = quantize(monkeypatch, capsys, "export", TINY, "--gguf", "Q4_K_M", "-o", tmp_path / "ours.gguf", "--imatrix", path)
     assert code == 0, err
     code, _, err = quantize(monkeypatch, capsys, "export", TINY, "--gguf", "F32", "-o", tmp_path / "f32.gguf")

@@ -58,6 +58,8 @@ _ROLES = (
     (re.compile(r"self_attn\.v_proj\.weight$"), "attn_v"),
     (re.compile(r"self_attn\.k_proj\.weight$"), "attn_k"),
     (re.compile(r"self_attn\.o_proj\.weight$"), "attn_output"),
+    # Phi-3's fused projection: llama.cpp gives attn_qkv the rules of attn_v (category_is_attn_v)
+    (re.compile(r"self_attn\.qkv_proj\.weight$"), "attn_v"),
     (re.compile(r"\.(down_proj|w2)\.weight$"), "ffn_down"),
 )
 _LAYER = re.compile(r"\.layers\.(\d+)\.")

@@ -15,7 +15,7 @@ def gguf_plan(ckpt, variant, file_type: str, imatrix: bool) -> Plan:
     names = ckpt.names
     if "gguf" in variant.exports:
         architecture_of(ckpt)
-        names = sorted((n for n in names if gguf_name(n) is not None), key=lambda n: gguf_order(gguf_name(n)))
+        names = sorted((n for n in names if gguf_name(n, ckpt.arch) is not None), key=lambda n: gguf_order(gguf_name(n, ckpt.arch)))
     return Plan(names, tensor_types(file_type, [(n, ckpt.shape(n)) for n in names], ckpt.arch, imatrix))
 
 

@@ -1,4 +1,6 @@
-"""Our forward pass of the Llama family (Llama, Mistral, Qwen2), over a step's flat batch of tokens.
+"""Our forward pass of the Llama family (Llama, Mistral, Qwen2 and Qwen3, Gemma 2 and 3, Phi-3), over
+a step's flat batch of tokens; what sets the members apart (Gemma's norms, scales, soft-caps and
+local rope, q/k norms, fused projections) is read off the one architecture description.
 
 A step's tokens, from every scheduled sequence, run through each layer together as one
 ``[tokens, hidden]`` matrix; only attention looks at which sequence a token belongs to, and it
@@ -26,11 +28,12 @@ import torch.nn.functional as F
 
 from formats.hf import HFCheckpoint
 from formats.quantized_checkpoint import QuantizedCheckpoint
-from quant.types import Architecture, InputError
+from quant.types import Architecture, InputError, Rope
 from runner.engine.kv_cache import KVPool
 from runner.engine.linear import Linear, fused, make_linear
 
-RUNNABLE = ("llama", "mistral", "qwen2")
+RUNNABLE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 @dataclass
@@ -88,10 +91,10 @@ class Step:
     sample_rows: torch.Tensor
 
 
-def inverse_frequencies(arch: Architecture) -> torch.Tensor:
+def inverse_frequencies(rope: Rope) -> torch.Tensor:
     """The rotary frequencies, float32, computed as transformers computes them (default, linear and
     Llama-3 scaling)."""
-    rope, dim = arch.rope, arch.rope.dims
+    dim = rope.dims
     inv = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if rope.scaling == "default":
         return inv
@@ -116,10 +119,20 @@ class DecoderModel:
         if arch.model_type not in RUNNABLE:
             raise InputError(f"{ckpt.path}: model_type '{arch.model_type}' is not one the engine runs "
                              f"(it runs {', '.join(RUNNABLE)})")
+        if arch.activation not in ACTIVATIONS:
+            raise InputError(f"{ckpt.path}: activation '{arch.activation}' is not one the engine runs "
+                             f"(it runs {', '.join(ACTIVATIONS)})")
         self.arch, self.dtype, self.device = arch, dtype, device
+        self.act = ACTIVATIONS[arch.activation]
 
         def load(name: str) -> torch.Tensor:
             return ckpt.tensor(name).to(device=device, dtype=dtype)
+
+        def norm(name: str) -> torch.Tensor:
+            """A norm's weight; Gemma's (offset + weight) kept in float32, where transformers computes it."""
+            if arch.norm_offset:
+                return ckpt.tensor(name).to(device=device, dtype=torch.float32) + arch.norm_offset
+            return load(name)
 
         def linear(*modules: str) -> list[Linear]:
             """One layer for the modules (fused where they stack), called once; the outputs split."""
@@ -134,32 +147,47 @@ class DecoderModel:
         self.layers = []
         for i in range(arch.layers):
             p = f"model.layers.{i}."
-            self.layers.append({
-                "attn_norm": load(p + "input_layernorm.weight"), "mlp_norm": load(p + "post_attention_layernorm.weight"),
-                "qkv": linear(p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"),
+            attn, mlp = ("self_attn.qkv_proj",), ("mlp.gate_up_proj",)
+            if not arch.fused_projections:
+                attn, mlp = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")
+            layer = {
+                "attn_norm": norm(p + "input_layernorm.weight"),
+                "qkv": linear(*(p + m for m in attn)),
                 "o": linear(p + "self_attn.o_proj"),
-                "gate_up": linear(p + "mlp.gate_proj", p + "mlp.up_proj"),
+                "gate_up": linear(*(p + m for m in mlp)),
                 "down": linear(p + "mlp.down_proj"),
-            })
+            }
+            if arch.post_norms:  # Gemma's post_attention_layernorm norms the attention's output
+                layer.update(attn_post=norm(p + "post_attention_layernorm.weight"),
+                             mlp_norm=norm(p + "pre_feedforward_layernorm.weight"),
+                             mlp_post=norm(p + "post_feedforward_layernorm.weight"))
+            else:
+                layer["mlp_norm"] = norm(p + "post_attention_layernorm.weight")
+            if arch.qk_norm:
+                layer.update(q_norm=norm(p + "self_attn.q_norm.weight"), k_norm=norm(p + "self_attn.k_norm.weight"))
+            self.layers.append(layer)
         kv = arch.kv_heads[0]
         self._qkv_sizes = [arch.heads * arch.head_dim, kv * arch.head_dim, kv * arch.value_dim]
         self._gate_up = [arch.intermediate, arch.intermediate]
-        self.norm = load("model.norm.weight")
+        self.norm = norm("model.norm.weight")
         # A tied head multiplies by the embedding itself (a packed copy would double its memory).
         self.lm_head = Linear(self.embed, None) if "lm_head.weight" not in ckpt.names else \
             make_linear(ckpt.payload("lm_head.weight"), None, dtype, device)
-        self.inv_freq = inverse_frequencies(arch).to(device)
-        self.scale = arch.head_dim ** -0.5
+        self.inv_freq = {rope: inverse_frequencies(rope).to(device) for rope in {arch.rope_of(i) for i in range(arch.layers)}}
+        self.scale = arch.score_scale
+        self.embed_scale = torch.tensor(arch.embedding_scale, dtype=dtype, device=device)  # as transformers rounds it
 
     @torch.inference_mode()
     def forward(self, step: Step, pool: KVPool) -> torch.Tensor:
         """Next-token logits, float32, for ``step.sample_rows``; writes the step's keys and values."""
         a = self.arch
         x = torch.index_select(self.embed, 0, step.tokens)
-        rotary = self._rotary(step.positions)
+        if a.embedding_scale != 1.0:
+            x = x * self.embed_scale
+        rotary = {rope: self._rotary(step.positions, inv) for rope, inv in self.inv_freq.items()}
         only_decode = step.prefill is None  # then the decode rows are the step's rows, in order
         for index, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer["qkv"], self._norm(x, layer["attn_norm"]), rotary)
+            q, k, v = self._qkv(layer, self._norm(x, layer["attn_norm"]), rotary[a.rope_of(index)])
             pool.write(index, step.slots, k, v)
             q = pool.queries(q)
             window = a.windows[index]
@@ -170,33 +198,42 @@ class DecoderModel:
                 if step.decode is not None:
                     out[step.decode.rows] = self._decode_attention(q[step.decode.rows], pool, index, step.decode, window)
                 out[step.prefill.rows[step.prefill.valid]] = self._prefill_attention(q, pool, index, step.prefill, window)
-            x = x + layer["o"][0](pool.outputs(out).to(x.dtype).flatten(1))
+            attended = layer["o"][0](pool.outputs(out).to(x.dtype).flatten(1))
+            x = x + (self._norm(attended, layer["attn_post"]) if a.post_norms else attended)
             gate, up = _outputs(layer["gate_up"], self._norm(x, layer["mlp_norm"]), self._gate_up)
-            x = x + layer["down"][0](F.silu(gate) * up)
+            mlp = layer["down"][0](self.act(gate) * up)
+            x = x + (self._norm(mlp, layer["mlp_post"]) if a.post_norms else mlp)
         x = self._norm(torch.index_select(x, 0, step.sample_rows), self.norm)
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        return _softcap(logits, a.final_softcap) if a.final_softcap else logits
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm in float32, as transformers' LlamaRMSNorm (torch's fused kernel computes it so)."""
+        """RMSNorm in float32, as transformers' LlamaRMSNorm (torch's fused kernel computes it so);
+        Gemma's float32 (offset + weight) scales it before the cast back, as its own RMSNorm does."""
+        if self.arch.norm_offset:
+            return (torch.rms_norm(x.float(), (x.shape[-1],), eps=self.arch.norm_eps) * weight).to(x.dtype)
         return weight * torch.rms_norm(x, (x.shape[-1],), eps=self.arch.norm_eps)
 
-    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rotary(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the step's positions, [tokens, 1, dim]; sin's first half negated, so that
         ``x * cos + roll(x, dim / 2) * sin`` is transformers' ``x * cos + rotate_half(x) * sin``."""
-        freqs = positions[:, None].float() * self.inv_freq
+        freqs = positions[:, None].float() * inv_freq
         sin = freqs.sin()
         return torch.cat((freqs, freqs), -1).cos().to(self.dtype)[:, None], torch.cat((-sin, sin), -1).to(self.dtype)[:, None]
 
-    def _qkv(self, layers: list[Linear], h: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries and keys, rotated, and values, [tokens, heads, dim]: with one fused product and
-        equal head sizes, queries and keys are rotated together."""
-        a, kv = self.arch, self.arch.kv_heads[0]
-        if len(layers) == 1 and a.value_dim == a.head_dim:
+    def _qkv(self, layer: dict, h: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries and keys, normed where the model norms them and rotated, and values,
+        [tokens, heads, dim]: with one fused product and equal head sizes, queries and keys are
+        rotated together."""
+        a, kv, layers = self.arch, self.arch.kv_heads[0], layer["qkv"]
+        if len(layers) == 1 and a.value_dim == a.head_dim and not a.qk_norm:
             qkv = layers[0](h).view(h.shape[0], a.heads + 2 * kv, a.head_dim)
             qk = _rotate(qkv[:, : a.heads + kv], *rotary)
             return qk[:, : a.heads], qk[:, a.heads :], qkv[:, a.heads + kv :]
         q, k, v = _outputs(layers, h, self._qkv_sizes)
         q, k = q.view(-1, a.heads, a.head_dim), k.view(-1, kv, a.head_dim)
+        if a.qk_norm:
+            q, k = self._norm(q, layer["q_norm"]), self._norm(k, layer["k_norm"])
         return _rotate(q, *rotary), _rotate(k, *rotary), v.view(-1, kv, a.value_dim)
 
     def _decode_attention(self, q: torch.Tensor, pool: KVPool, layer: int, d: DecodeBatch, window: int | None) -> torch.Tensor:
@@ -207,8 +244,12 @@ class DecoderModel:
         # rows picked by index_select: at a step's hundreds of blocks, several times as fast as q[owner]
         qb = torch.index_select(q.view(-1, kv, groups, a.head_dim), 0, d.owner)  # [blocks, kv, groups, dim]
         bias = d.scores_bias(window, bs, kv, groups, keys.dtype)
-        scores = torch.baddbmm(bias, qb.view(nb * kv, groups, a.head_dim), keys.view(nb * kv, bs, a.head_dim).transpose(1, 2),
-                               alpha=self.scale).view(nb, kv, groups, bs).float()
+        q_rows, k_rows = qb.view(nb * kv, groups, a.head_dim), keys.view(nb * kv, bs, a.head_dim).transpose(1, 2)
+        if a.attn_softcap:  # capped before the mask is added
+            scores = _softcap(torch.bmm(q_rows, k_rows).float() * self.scale, a.attn_softcap) + bias.float()
+        else:
+            scores = torch.baddbmm(bias, q_rows, k_rows, alpha=self.scale)
+        scores = scores.view(nb, kv, groups, bs).float()
         index = d.owner.view(-1, 1, 1).expand(-1, kv, groups)
         top = torch.full((n, kv, groups), float("-inf"), device=q.device).scatter_reduce_(0, index, scores.amax(-1), "amax")
         weights = torch.exp(scores - torch.index_select(top, 0, d.owner)[..., None])
@@ -224,10 +265,15 @@ class DecoderModel:
         if window is not None:
             mask &= p.key_pos[:, None, :] > p.query_pos[:, :, None] - window
         mask |= ~p.valid[:, :, None] & (torch.arange(mask.shape[-1], device=q.device) == 0)  # padding sees key 0
-        out = F.scaled_dot_product_attention(
-            q[p.rows].float().transpose(1, 2), keys.float().transpose(1, 2), values.float().transpose(1, 2),
-            attn_mask=mask[:, None], scale=self.scale, enable_gqa=True,
-        )  # [chunks, heads, tokens, dim]
+        queries, keys, values = q[p.rows].float().transpose(1, 2), keys.float().transpose(1, 2), values.float().transpose(1, 2)
+        if self.arch.attn_softcap:  # no fused kernel caps scores: the same attention, written out
+            groups = self.arch.heads // keys.shape[1]
+            keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+            scores = _softcap(queries @ keys.transpose(-1, -2) * self.scale, self.arch.attn_softcap)
+            out = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1) @ values
+        else:
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None], scale=self.scale,
+                                                 enable_gqa=True)  # [chunks, heads, tokens, dim]
         return out.transpose(1, 2)[p.valid]
 
 
@@ -236,6 +282,11 @@ def _outputs(layers: list[Linear], x: torch.Tensor, sizes: list[int]) -> list[to
     if len(layers) == 1:
         return list(layers[0](x).split(sizes, -1))
     return [layer(x) for layer in layers]
+
+
+def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma 2's soft cap: ``cap * tanh(x / cap)``, near x for small x, never beyond ``cap``."""
+    return torch.tanh(x / cap) * cap
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@ term is shown, so a customer can see why an answer is what it is:
 - KV cache: per layer, values per token times the tokens it keeps: all of them for global
   attention, at most the window for sliding-window layers (Gemma 2/3), one latent vector per token
   for DeepSeek's multi-head latent attention. KV heads are split across tensor-parallel GPUs.
+  llama.cpp keeps a window's layers one cache for all sequences, the windows plus one micro-batch
+  (``Engine.cached_tokens``), and knows by itself which layers of a GGUF file slide.
 - Activations: the engine's own sizing rule (``Engine``).
 
 Speed bounds: decoding one token reads every active weight and the sequence's KV cache once, so
@@ -64,6 +66,16 @@ class Engine:
     utilisation: float
     overhead: int
     description: str
+
+    def cached_tokens(self, window: int | None, context: int, users: int) -> int:
+        """Tokens one layer keeps for ``users`` sequences of ``context`` tokens."""
+        if window is None:
+            return users * context
+        if self.name == "llamacpp":
+            # llama_kv_cache_iswa as llama-server runs it (no --swa-full): one cache of every
+            # sequence's window plus a micro-batch of 512 tokens, in whole 256-cell pads
+            return min(users * context, -(-(window * users + 512) // 256) * 256)
+        return users * min(context, window)
 
     def activations(self, shape: ModelShape, users: int, context: int, tensor_parallel: int, element: int = 2) -> int:
         """Peak activation memory per GPU, in bytes. ``element``: bytes per activation value where
@@ -162,6 +174,13 @@ def kv_bytes_per_token(shape: ModelShape, kv_cache: str, tensor_parallel: int = 
     return sum(layer.values_per_token_on(tensor_parallel) for layer in shape.layers) * _kv_bits(kv_cache) / 8
 
 
+def kv_bytes_total(shape: ModelShape, kv_cache: str, context: int, users: int, engine: Engine, tensor_parallel: int = 1) -> float:
+    """KV bytes ``engine`` allocates on one GPU for ``users`` sequences of ``context`` tokens."""
+    bits = _kv_bits(kv_cache)
+    return sum(layer.values_per_token_on(tensor_parallel) * engine.cached_tokens(layer.window, context, users)
+               for layer in shape.layers) * bits / 8
+
+
 def kv_bytes_per_sequence(shape: ModelShape, kv_cache: str, context: int, tensor_parallel: int = 1) -> float:
     """KV bytes of one sequence of ``context`` tokens on one GPU: sliding-window layers stop
     growing at their window."""
@@ -210,7 +229,8 @@ def fit(shape: ModelShape, q: FitQuery, smallest: bool = True) -> FitResult:
     activations = q.engine.activations(shape, q.users, q.context, tp, _element(shape, q))
     overhead = q.engine.overhead
     usable = q.gpu.memory_bytes * q.engine.utilisation
-    total = weights_per_gpu + q.users * per_sequence + activations + overhead
+    kv_total = kv_bytes_total(shape, q.kv_cache, q.context, q.users, q.engine, tp)
+    total = weights_per_gpu + kv_total + activations + overhead
     room = usable - weights_per_gpu - overhead
     max_users = _max_users(shape, q, room, tp)
     max_context = _max_context(shape, q, room, tp)
@@ -228,7 +248,7 @@ def fit(shape: ModelShape, q: FitQuery, smallest: bool = True) -> FitResult:
         weights_format=shape.stored_as or q.weights.lower(),
         weights_bytes=weights, bits_per_weight=weights * 8 / params,
         kv_cache_dtype=q.kv_cache, kv_bytes_per_token=per_token, kv_bytes_per_sequence=per_sequence,
-        kv_bytes_total=q.users * per_sequence, activation_bytes=activations, overhead_bytes=overhead,
+        kv_bytes_total=kv_total, activation_bytes=activations, overhead_bytes=overhead,
         total_bytes=total, usable_bytes=usable, free_bytes=usable - total, fits=total <= usable,
         max_users=max_users, max_context=min(max_context, shape.arch.max_context or max_context),
         max_context_by_memory=max_context, decode_tokens_per_s_max=one, decode_tokens_per_s_total=every,
@@ -277,7 +297,7 @@ def _max_context(shape: ModelShape, q: FitQuery, room: float, tp: int) -> int:
 
 def _needs(shape: ModelShape, q: FitQuery, users: int, context: int, tp: int) -> float:
     activations = q.engine.activations(shape, users, context, tp, _element(shape, q))
-    return users * kv_bytes_per_sequence(shape, q.kv_cache, context, tp) + activations
+    return kv_bytes_total(shape, q.kv_cache, context, users, q.engine, tp) + activations
 
 
 def _element(shape: ModelShape, q: FitQuery) -> int:
