@@ -23,12 +23,17 @@ from quant.types import InputError
 
 @dataclass
 class LayerInputs:
-    """What every decoder layer is called with: one hidden-state tensor per window, and the
+    """What the decoder layers are called with: one hidden-state tensor per window, and the
     keyword arguments the model passes alongside (rotary embeddings, mask, positions), the same
-    for all windows since they have one length."""
+    for all windows since they have one length. They differ between layers where the model's
+    layers differ (Gemma's sliding and global layers have their own masks and rope), so they are
+    kept per layer module."""
 
     hidden: torch.Tensor  # [windows, tokens, hidden]
-    kwargs: dict
+    layer_kwargs: dict[torch.nn.Module, dict]  # decoder layer -> its keyword arguments
+
+    def kwargs(self, layer: torch.nn.Module) -> dict:
+        return self.layer_kwargs[layer]
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -49,15 +54,27 @@ class _Captured(Exception):
 
 
 def first_layer_inputs(model: torch.nn.Module, windows: torch.Tensor) -> LayerInputs:
-    """Run each window through the embedding only, keeping what decoder layer 0 receives."""
+    """Run each window through the embedding only, keeping what decoder layer 0 receives, and
+    what keyword arguments every layer receives: while this runs, each layer passes its input on
+    unchanged (the layers' weights need not be loaded), and once every layer has been seen, the
+    windows stop at layer 0."""
+    layers = list(decoder_layers(model))
     hidden, kwargs = [], {}
 
-    def catch(module, args, kw):
-        hidden.append(args[0] if args else kw.pop("hidden_states"))
-        kwargs.update({k: v for k, v in kw.items() if k != "hidden_states"})
-        raise _Captured
+    def recorder(layer: torch.nn.Module) -> Callable:
+        def forward(*args, **kw):
+            x = args[0] if args else kw.pop("hidden_states")
+            if layer is layers[0]:
+                hidden.append(x)
+            kwargs.setdefault(layer, {k: v for k, v in kw.items() if k != "hidden_states"} | {"use_cache": False})
+            if len(kwargs) == len(layers):
+                raise _Captured
+            return x
 
-    handle = decoder_layers(model)[0].register_forward_pre_hook(catch, with_kwargs=True)
+        return forward
+
+    for layer in layers:
+        layer.forward = recorder(layer)
     try:
         with torch.inference_mode():
             for i in range(windows.shape[0]):
@@ -66,8 +83,8 @@ def first_layer_inputs(model: torch.nn.Module, windows: torch.Tensor) -> LayerIn
                 except _Captured:
                     pass
     finally:
-        handle.remove()
-    kwargs["use_cache"] = False
+        for layer in layers:
+            del layer.forward
     return LayerInputs(torch.cat(hidden), kwargs)
 
 
@@ -95,7 +112,7 @@ def _forward_mode(inputs: LayerInputs) -> Iterator[None]:
 def run_layer(layer: torch.nn.Module, inputs: LayerInputs) -> torch.Tensor:
     """The layer's outputs for every window: the next layer's inputs."""
     with _forward_mode(inputs):
-        return torch.cat([_output(layer(batch, **inputs.kwargs)) for batch in _batches(inputs)])
+        return torch.cat([_output(layer(batch, **inputs.kwargs(layer))) for batch in _batches(inputs)])
 
 
 def linear_groups(layer: torch.nn.Module, inputs: LayerInputs) -> list[list[str]]:
@@ -111,7 +128,7 @@ def linear_groups(layer: torch.nn.Module, inputs: LayerInputs) -> list[list[str]
     handles = [m.register_forward_pre_hook(record(n)) for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)]
     try:
         with _forward_mode(inputs):
-            layer(inputs.hidden[:1], **inputs.kwargs)
+            layer(inputs.hidden[:1], **inputs.kwargs(layer))
     finally:
         for h in handles:
             h.remove()
@@ -166,7 +183,7 @@ def input_statistics(layer: torch.nn.Module, inputs: LayerInputs, names: list[st
         with _forward_mode(inputs):
             for batch in _batches(inputs):
                 try:
-                    layer(batch, **inputs.kwargs)
+                    layer(batch, **inputs.kwargs(layer))
                 except _Captured:
                     pass
     finally:

@@ -68,6 +68,9 @@ def skeleton(ckpt: HFCheckpoint) -> torch.nn.Module:
     rotary = getattr(decoder, "rotary_emb", None)
     if rotary is not None:
         decoder.rotary_emb = type(rotary)(config=model.config).to(working_device())
+    embedding = model.get_input_embeddings()
+    if hasattr(embedding, "embed_scale"):  # Gemma's scaled embedding keeps its scale in a buffer, not the checkpoint
+        embedding.embed_scale = torch.tensor(ckpt.arch.embedding_scale, device=working_device())
     return model
 
 

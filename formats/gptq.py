@@ -45,6 +45,7 @@ class GPTQWriter(QuantizedFolderWriter):
     (``desc_act``); ``settings``: how they were fitted, kept under the config's ``meta``."""
 
     export = "gptq"
+    splits_gate_up = True
     holds_group_index = True
 
     def __init__(self, dest: Path, source: HFCheckpoint, names: list[str], quantized: set[str], spec: QuantSpec,

@@ -180,6 +180,10 @@ class HFCheckpoint:
             pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
             extra = f" ({', '.join(pickles)} are pickle files, which quantbench never loads)" if pickles else ""
             raise InputError(f"{path}: no *.safetensors weights in the model folder{extra}")
+        if "vision_config" in config:
+            raise InputError(f"{config_path}: a {config.get('model_type')} model with a vision tower (vision_config); "
+                             "quantbench takes text decoders: save its language model alone (for Gemma 3, as "
+                             "Gemma3ForCausalLM, model_type gemma3_text)")
         headers = {f: read_safetensors_header(f).tensors for f in files}
         where = str(config_path)
         hf = transformers_config(config, where)

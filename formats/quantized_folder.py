@@ -33,6 +33,9 @@ class QuantizedFolderWriter:
     export = "quantized"  # the export's name in messages
     holds_group_index = False  # whether act-order groups (GPTQ's g_idx) have a form in this format
     float_dtype = torch.float16
+    # GPTQ and AWQ: Phi-3's fused gate_up_proj is stored as gate_proj and up_proj, the modules
+    # GPTQModel's Phi-3 definition quantizes (vLLM stacks them back into one product)
+    splits_gate_up = False
 
     def _accept(self, spec: QuantSpec, check: Callable[[QuantSpec], T]) -> T:
         """Keep ``spec`` if ``check`` (which raises ValueError saying why not) accepts it; returns
@@ -49,8 +52,9 @@ class QuantizedFolderWriter:
         self.quantized = quantized
         plan: Planned = []
         for name in names:
-            shape = tuple(source.shape(name))
-            plan += self.stored(name.removesuffix(".weight"), shape) if name in quantized else [(name, self.float_dtype, shape)]
+            for part, rows in self._parts(name, tuple(source.shape(name))):
+                shape = tuple(source.shape(name)) if rows is None else (rows.stop - rows.start, *source.shape(name)[1:])
+                plan += self.stored(part.removesuffix(".weight"), shape) if name in quantized else [(part, self.float_dtype, shape)]
         config = export_config(source, self.float_dtype)
         config["quantization_config"] = quantization_config
         self._folder = SafetensorsFolderWriter(dest, plan, config, source)
@@ -66,21 +70,30 @@ class QuantizedFolderWriter:
     def encode(self, payload: QuantizedTensor) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    def _parts(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, slice | None]]:
+        """The tensors one checkpoint tensor is stored as, each with its rows (None: all of it)."""
+        if self.splits_gate_up and name.endswith("mlp.gate_up_proj.weight"):
+            half, base = shape[0] // 2, name.removesuffix("gate_up_proj.weight")
+            return [(base + "gate_proj.weight", slice(0, half)), (base + "up_proj.weight", slice(half, shape[0]))]
+        return [(name, None)]
+
     def add(self, name: str, payload: TensorPayload) -> None:
         if name in self.quantized:
             if not isinstance(payload, QuantizedTensor):
                 raise InputError(f"{self.export} export: tensor '{name}' ({type(payload).__name__}) has no {self.export} form")
             if payload.group_index is not None and not self.holds_group_index:
                 raise InputError(f"{self.export} export: tensor '{name}' has act-order groups (g_idx), which {self.export} cannot hold")
-            module = name.removesuffix(".weight")
-            for (stored, _, _), tensor in zip(self.stored(module, payload.shape), self.encode(payload), strict=True):
-                self._folder.write(stored, tensor)
+            for part, rows in self._parts(name, payload.shape):
+                piece = payload if rows is None else payload.rows(rows)
+                for (stored, _, _), tensor in zip(self.stored(part.removesuffix(".weight"), piece.shape), self.encode(piece), strict=True):
+                    self._folder.write(stored, tensor)
             return
         if not isinstance(payload, torch.Tensor):
             raise InputError(f"{self.export} export: tensor '{name}' is quantized but not a Linear weight the variant targets")
         if payload.is_floating_point() and payload.abs().max() > torch.finfo(self.float_dtype).max:
             raise InputError(f"{self.export} export: tensor '{name}' exceeds the {self.float_dtype} range")
-        self._folder.write(name, payload.to(self.float_dtype))
+        for part, rows in self._parts(name, tuple(payload.shape)):
+            self._folder.write(part, (payload if rows is None else payload[rows]).to(self.float_dtype))
 
     def finish(self) -> Path:
         return self._folder.finish()

@@ -57,10 +57,10 @@ def awq_model(
     quantized; the scaling, exact in float, is applied throughout."""
     for base, layer, inputs in walk_layers(ckpt, skeleton(ckpt), windows):
         layer_modules = dict(layer.named_modules())
-        for feeder, targets in layer_mappings(layer_modules, "AWQ"):
-            stats = input_statistics(layer, inputs, targets[:1])[targets[0]]
-            scales = _search_scales([layer_modules[t].weight.data for t in targets], stats, spec, settings)
-            fold_scales(layer_modules[feeder], [layer_modules[t] for t in targets], scales)
+        for fold in layer_mappings(layer_modules, ckpt.arch, "AWQ"):
+            stats = input_statistics(layer, inputs, fold.targets[:1])[fold.targets[0]]
+            scales = _search_scales([layer_modules[t].weight.data for t in fold.targets], stats, spec, settings)
+            fold_scales(layer_modules, fold, scales)
         results: dict[str, TensorPayload] = {}
         errors: dict[str, float] = {}
         if quantize:

@@ -176,7 +176,7 @@ def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict,
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda i: 0.5 * (1 + math.cos(math.pi * i / settings.steps)))
     hidden = inputs.hidden.clone()  # out of inference mode: autograd needs ordinary tensors
-    kwargs = {k: _ordinary(v) for k, v in inputs.kwargs.items()}
+    kwargs = {k: _ordinary(v) for k, v in inputs.kwargs(layer).items()}
     generator = torch.Generator().manual_seed(settings.seed)
     frozen = {n: p.detach() for n, p in layer.named_parameters()}
     order = torch.empty(0, dtype=torch.long)

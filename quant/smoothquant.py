@@ -24,7 +24,7 @@ from quant.error import relative_error
 from quant.folding import fold_scales, layer_mappings
 from quant.outliers import channel_statistics, layer_input_abs_max
 from quant.rtn import quantize_rtn
-from quant.types import InputError, LayerResult, QuantizedTensor, QuantSpec, TensorPayload, dequantized
+from quant.types import Architecture, InputError, LayerResult, QuantizedTensor, QuantSpec, TensorPayload, dequantized
 
 LayerQuantizer = Callable[[LayerStep], dict[str, TensorPayload]]  # e.g. rtn_layer, quant.gptq_model.gptq_layer
 _TINY = 1e-5  # floor for both maxima and the scales: a dead channel must not give 0 or Inf
@@ -36,18 +36,18 @@ def smoothing_scales(x_max: torch.Tensor, w_max: torch.Tensor, alpha: float) -> 
     return (x_max.clamp(min=_TINY).pow(alpha) / w_max.clamp(min=_TINY).pow(1 - alpha)).clamp(min=_TINY)
 
 
-def smooth_layer(step: LayerStep, alpha: float) -> dict[str, torch.Tensor]:
+def smooth_layer(step: LayerStep, arch: Architecture, alpha: float) -> dict[str, torch.Tensor]:
     """Fold SmoothQuant's scales into one decoder layer of a walk (the layer computes the same
     function afterwards). Returns the largest |x| per input channel that each Linear (by name
     relative to the layer) now receives: what an activation quantizer will face."""
     modules = dict(step.layer.named_modules())
     abs_max = layer_input_abs_max(step)
-    for feeder, targets in layer_mappings(modules, "SmoothQuant"):
-        linears = [modules[t] for t in targets]
+    for fold in layer_mappings(modules, arch, "SmoothQuant"):
+        linears = [modules[t] for t in fold.targets]
         w_max = torch.cat([m.weight.data.to(torch.float32) for m in linears]).abs().amax(0)
-        scales = smoothing_scales(abs_max[targets[0]], w_max, alpha)
-        fold_scales(modules[feeder], linears, scales)
-        abs_max.update(dict.fromkeys(targets, abs_max[targets[0]] / scales))
+        scales = smoothing_scales(abs_max[fold.targets[0]], w_max, alpha)
+        fold_scales(modules, fold, scales)
+        abs_max.update(dict.fromkeys(fold.targets, abs_max[fold.targets[0]] / scales))
     return abs_max
 
 
@@ -80,7 +80,7 @@ def smoothquant_model(
     if alpha is not None and not 0.0 <= alpha <= 1.0:
         raise InputError(f"SmoothQuant: alpha must be between 0 and 1, got {alpha}")
     for step in walk_layers(ckpt, skeleton(ckpt), windows):
-        abs_max = layer_input_abs_max(step) if alpha is None else smooth_layer(step, alpha)
+        abs_max = layer_input_abs_max(step) if alpha is None else smooth_layer(step, ckpt.arch, alpha)
         tensors, errors = _quantize_measured(step, quantize_layer) if quantize_layer else ({}, {})
         for name, param in step.layer.named_parameters(prefix=step.prefix.rstrip(".")):
             tensors.setdefault(name, param.detach().cpu().clone())

@@ -7,7 +7,7 @@ without knowing how it was made.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple, Union
 
 import numpy as np
@@ -145,6 +145,13 @@ class QuantizedTensor:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.codes.shape)
+
+    def rows(self, rows: slice) -> QuantizedTensor:
+        """The quantized rows ``rows`` of this weight: rows are quantized independently (blocks
+        excepted), so a fused projection splits into its parts without re-quantizing."""
+        if self.spec.granularity == "block":
+            raise ValueError("block-quantized weights do not split by rows")
+        return replace(self, codes=self.codes[rows], scales=self.scales[rows], zeros=self.zeros[rows])
 
     def dequantize(self) -> torch.Tensor:
         out, n_in = self.codes.shape

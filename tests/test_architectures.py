@@ -150,3 +150,95 @@ def test_fit_sizes_the_kv_cache_llama_cpp_allocates_for_a_gguf_file(zoo, tmp_pat
     assert sum(layers for _, layers in groups) == shape.arch.layers
     if name.startswith("gemma"):
         assert len({cells for cells, _ in groups}) == (2 if context > 768 else 1)  # the windows' cache is smaller
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_scales_folded_as_awq_and_smoothquant_fold_them_change_no_output(zoo, name):
+    """Every fold of every layer (Gemma's offset norms and pre-feedforward norm, Phi-3's fused
+    rows) divides what feeds the Linears by the scales their columns are multiplied by."""
+    from transformers import AutoModelForCausalLM
+
+    from quant.folding import fold_scales, layer_mappings
+
+    model = AutoModelForCausalLM.from_pretrained(zoo[name], dtype=torch.float64).eval()
+    arch = HFCheckpoint.open(zoo[name]).arch
+    ids = torch.tensor([list(range(100, 196))])
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+    folds = 0
+    for layer in model.model.layers:
+        modules = dict(layer.named_modules())
+        for fold in layer_mappings(modules, arch, "test"):
+            width = modules[fold.targets[0]].in_features
+            fold_scales(modules, fold, (torch.rand(width, generator=generator, dtype=torch.float64) * 3 + 0.2))
+            folds += 1
+    with torch.inference_mode():
+        after = model(input_ids=ids).logits
+    assert folds >= 3 * arch.layers
+    # float64 throughout, but Gemma's norms compute in float32: 1e-5 of rounding; a wrong fold moves units
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def calibrated(zoo, tmp_path_factory):
+    """Per architecture, a GPTQ (act-order, asymmetric) and an AWQ variant fitted on the bundled
+    calibration text, each with our float32 weights as evaluated beside its exports."""
+    from calib.text import token_windows
+    from conftest import BUNDLED
+    from formats.hf import load_tokenizer
+    from recipes.schema import Variant
+
+    variants = [
+        {"name": "gptq", "weights": {"method": "gptq", "bits": 4, "group_size": 64, "symmetric": False, "act_order": True},
+         "exports": ["safetensors", "gptq"]},
+        {"name": "awq", "weights": {"method": "awq", "bits": 4, "group_size": 64}, "exports": ["safetensors", "awq", "compressed-tensors"]},
+    ]
+    built = {}
+    for name, folder in zoo.items():
+        ckpt = HFCheckpoint.open(folder)
+        windows = token_windows(load_tokenizer(ckpt), BUNDLED / "calib.txt", 128, 8)
+        out = tmp_path_factory.mktemp(f"calibrated-{name}")
+        for v in variants:
+            build_variant(ckpt, Variant.model_validate(v), out, keep_weights=False, calibration=windows)
+        built[name] = out
+    return built
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("name", NAMES)
+def test_gptqmodel_reads_our_gptq_and_awq_files_of_every_architecture_back(zoo, calibrated, name, method):
+    from test_gptq_awq_exports import GPTQMODEL, assert_read_back_exactly, read_back
+
+    if not GPTQMODEL.exists():
+        pytest.skip("GPTQModel's venv: bench/anchors/setup.sh gptqmodel (make test runs it)")
+    arch = HFCheckpoint.open(zoo[name]).arch
+    linears = 5 if arch.fused_projections else 7  # Phi-3: qkv_proj, o_proj, and gate_up_proj as gate_proj and up_proj
+    assert_read_back_exactly(read_back(calibrated[name] / method, method), modules=linears * arch.layers)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_transformers_dequantizes_the_compressed_tensors_export_of_every_architecture(calibrated, name):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    folder = calibrated[name] / "awq"
+    dense = load_file(folder / "safetensors" / "model.safetensors")  # our float32 weights, AWQ's folded norms included
+    model = AutoModelForCausalLM.from_pretrained(folder / "compressed-tensors", dtype=torch.float32,
+                                                 quantization_config=CompressedTensorsConfig(dequantize=True))
+    state = model.state_dict()
+    assert set(dense) <= set(state)
+    for tensor, weights in dense.items():
+        assert torch.equal(state[tensor], weights.half().float()), tensor
+
+
+def test_a_model_with_a_vision_tower_is_refused_in_one_line(tmp_path, zoo):
+    import shutil
+
+    folder = tmp_path / "gemma3-vision"
+    shutil.copytree(zoo["gemma3"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": config,
+                                                    "vision_config": {"model_type": "siglip_vision_model"}}))
+    with pytest.raises(InputError, match="config.json: a gemma3 model with a vision tower .*Gemma3ForCausalLM"):
+        HFCheckpoint.open(folder)

@@ -39,16 +39,24 @@ for prefix, module in model.named_modules():
             theirs = module.dequantize_weight().t().float()
         else:
             theirs = dequantize_gemm(module.qweight, module.qzeros, module.scales, module.bits, module.group_size).t().float()
-    expected = ours[prefix + ".weight"].half().float()
+    name = prefix + ".weight"
+    if name not in ours:  # Phi-3's gate_up_proj, stored as the gate_proj and up_proj GPTQModel reads
+        fused = ours[prefix.rsplit(".", 1)[0] + ".gate_up_proj.weight"]
+        name, half = None, fused.shape[0] // 2
+        expected = (fused[:half] if prefix.endswith("gate_proj") else fused[half:]).half().float()
+    else:
+        expected = ours[name].half().float()
     report["modules"] += 1
     report["equal"] += int(torch.equal(theirs, expected))
     report["max_diff"] = max(report["max_diff"], float((theirs - expected).abs().max()))
 reference = AutoModelForCausalLM.from_pretrained(str(folder / "safetensors"), dtype=torch.float32).eval()
+half = AutoModelForCausalLM.from_pretrained(str(folder / "safetensors"), dtype=torch.float16).eval()
 ids = torch.arange(128)[None] * 37 % 8000
 with torch.no_grad():
-    a, b = model(input_ids=ids).logits.float(), reference(input_ids=ids).logits
+    a, b, c = model(input_ids=ids).logits.float(), reference(input_ids=ids).logits, half(input_ids=ids).logits.float()
 report["logits_max_diff"] = float((a - b).abs().max())
 report["logits_max"] = float(b.abs().max())
+report["float16_logits_max_diff"] = float((c - b).abs().max())  # the same weights in float16, through transformers
 print(json.dumps(report))
 """
 
@@ -59,10 +67,11 @@ def read_back(folder, fmt: str) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def assert_read_back_exactly(report: dict) -> None:
-    assert report["modules"] == 7 * 6 and report["equal"] == report["modules"], report
-    # float16 arithmetic against float32 on the same weights (a missing folded norm moves it by units)
-    assert report["logits_max_diff"] < 0.01 * report["logits_max"], report
+def assert_read_back_exactly(report: dict, modules: int = 7 * 6) -> None:
+    assert report["modules"] == modules and report["equal"] == report["modules"], report
+    # float16 arithmetic against float32 on the same weights: no further than transformers' own
+    # float16 run of them, or 1% of the largest logit (a missing folded norm moves it by units)
+    assert report["logits_max_diff"] < 0.01 * report["logits_max"] + 2 * report["float16_logits_max_diff"], report
 
 
 @needs_gptqmodel

@@ -1,6 +1,7 @@
 """Layer-by-layer calibration: the walk reproduces the model, groups follow the data flow, and
 Hessians are those of the modules' real inputs."""
 
+import pytest
 import torch
 
 from calib.layerwise import decoder_layers, first_layer_inputs, input_statistics, linear_groups, run_layer
@@ -47,3 +48,24 @@ def test_input_statistics_are_those_of_the_modules_real_inputs():
     torch.testing.assert_close(stats.hessian.double(), 2 * x.T @ x / len(x), rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(stats.abs_mean.double(), x.abs().mean(0), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(stats.abs_max.double(), x.abs().amax(0))
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma2", "phi3", "qwen3"])
+def test_the_walk_gives_the_logits_of_models_whose_layers_differ(tmp_path, name):
+    """Gemma's sliding and global layers get their own masks and rope: each layer is called with
+    what the model itself passes it (Gemma 3's seven layers: five sliding ones, one global)."""
+    from model_zoo import zoo_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(zoo_model(tmp_path / "m", name), dtype=torch.float32).eval()
+    windows = torch.randint(0, 8192, (3, 96), generator=torch.Generator().manual_seed(0))  # three 32-token windows
+    inputs = first_layer_inputs(model, windows)
+    for layer in decoder_layers(model):
+        inputs.hidden = run_layer(layer, inputs)
+    with torch.inference_mode():
+        ours = model.lm_head(model.model.norm(inputs.hidden))
+        cap = getattr(model.config, "final_logit_softcapping", None)
+        if cap:
+            ours = torch.tanh(ours / cap) * cap
+        ref = model(input_ids=windows).logits
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
