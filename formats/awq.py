@@ -42,10 +42,17 @@ def _interleaved(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(rows, out // 8, 8)[:, :, _ORDER].reshape(rows, out)
 
 
+def deinterleaved(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``_interleaved``: columns back in output order."""
+    rows, out = t.shape
+    return t.reshape(rows, out // 8, 8)[:, :, torch.argsort(_ORDER)].reshape(rows, out)
+
+
 class AWQWriter(QuantizedFolderWriter):
     """One variant as an AWQ (GEMM) folder."""
 
     export = "awq"
+    splits_gate_up = True
 
     def __init__(self, dest: Path, source: HFCheckpoint, names: list[str], quantized: set[str], spec: QuantSpec):
         self._accept(spec, check_spec)

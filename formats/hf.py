@@ -384,6 +384,11 @@ def load_causal_lm(ckpt: HFCheckpoint) -> torch.nn.Module:
     from transformers.utils import logging
 
     logging.disable_progress_bar()  # our own progress bars cover the long steps
+    if not isinstance(ckpt, HFCheckpoint):  # a quantized source: its weights as it dequantizes them
+        from formats.architecture import transformers_config
+
+        config = transformers_config(ckpt.config, str(ckpt.path / "config.json"))
+        return model_from_state(config, {name: ckpt.tensor(name) for name in ckpt.names})
     try:
         model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32)
     except (ValueError, KeyError, OSError) as e:

@@ -1,12 +1,14 @@
 """Quantized checkpoint folders read back: each quantized Linear as the codes, scales and zero-points
 it holds (a ``QuantizedTensor``), every other tensor as it is.
 
-Two layouts, the inverses of our writers (formats/compressed_tensors.py, formats/gptq.py):
-compressed-tensors ``pack-quantized`` (integer weights by group or channel) and GPTQ (the AutoGPTQ
-layout, v1 and v2, with ``g_idx``). The folder is checked as a float one is: its config's model
-must have every tensor, each quantized Linear stored in its format's tensors of the shapes the
-config implies, and nothing else. So the engine can run a variant on its real low-bit weights,
-and what it runs is exactly what was written.
+Three layouts, the inverses of our writers (formats/compressed_tensors.py, formats/gptq.py,
+formats/awq.py): compressed-tensors ``pack-quantized`` (integer weights by group or channel), GPTQ
+(the AutoGPTQ layout, v1 and v2, with ``g_idx``) and AWQ (AutoAWQ's GEMM layout). The folder is
+checked as a float one is: its config's model must have every tensor, each quantized Linear
+stored in its format's tensors of the shapes the config implies, and nothing else. So the engine
+can run a variant on its real low-bit weights, and what it runs is exactly what was written; and
+a customer's quantized checkpoint is a source like a float one (``tensor`` dequantizes it one
+weight at a time), for a GGUF file or a report.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pathlib import Path
 import torch
 
 from formats.architecture import expected_tensors, from_transformers, transformers_config
-from formats.hf import HFCheckpoint, read_json, read_safetensors_header
+from formats.awq import deinterleaved
+from formats.hf import HFCheckpoint, is_linear_weight, read_json, read_safetensors_header
 from formats.packing import unpack_codes
 from quant.types import InputError, QuantizedTensor, QuantSpec, TensorPayload
 
@@ -36,6 +39,33 @@ class QuantizedCheckpoint:
     @property
     def architecture(self) -> str:
         return self._files.architecture
+
+    @property
+    def label(self) -> str:
+        """What the checkpoint is, for a report: its layout and weights, e.g. ``gptq int4 g128``."""
+        return f"{self.method} {self.spec.label}"
+
+    @property
+    def bits_per_weight(self) -> float:
+        """The bits the folder stores per weight, codes, scales, zero-points and indices included."""
+        raw = self._files
+        stored = sum(math.prod(raw.shape(n)) * raw.dtype(n).itemsize * 8 for n in raw.names)
+        return stored / sum(math.prod(self.shape(n)) for n in self.names)
+
+    # What a source checkpoint offers besides its tensors, as the float folder it was made from.
+    @property
+    def linear_modules(self) -> list[str]:
+        return [n.removesuffix(".weight") for n in self.names if is_linear_weight(n, self.shape(n))]
+
+    @property
+    def tokenizer_config(self) -> dict:
+        return self._files.tokenizer_config
+
+    def side_file(self, name: str) -> dict:
+        return self._files.side_file(name)
+
+    def copy_side_files(self, dest: Path) -> None:
+        self._files.copy_side_files(dest)
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "QuantizedCheckpoint":
@@ -55,7 +85,7 @@ class QuantizedCheckpoint:
         spec, method = _scheme(q, where)
         expected, optional = expected_tensors(hf, where)
         stored = set(raw.names)
-        marker = {"gptq": ".qweight", "compressed-tensors": ".weight_packed"}[method]
+        marker = {"gptq": ".qweight", "awq": ".qweight", "compressed-tensors": ".weight_packed"}[method]
         quantized = {f"{n.removesuffix(marker)}.weight" for n in stored if n.endswith(marker)}
         needed = set()
         for name, shape in expected.items():
@@ -76,8 +106,10 @@ class QuantizedCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         if name in self.quantized:
             module = name.removesuffix(".weight")
-            return tuple(self._files.tensor(f"{module}.weight_shape").tolist()) if self.method == "compressed-tensors" \
-                else (self._files.shape(f"{module}.scales")[1], self._files.shape(f"{module}.g_idx")[0])
+            if self.method == "compressed-tensors":
+                return tuple(self._files.tensor(f"{module}.weight_shape").tolist())
+            n_in = self._files.shape(f"{module}.qweight")[0] if self.method == "awq" else self._files.shape(f"{module}.g_idx")[0]
+            return self._files.shape(f"{module}.scales")[1], n_in
         return self._files.shape(name)
 
     def payload(self, name: str) -> TensorPayload:
@@ -92,6 +124,10 @@ class QuantizedCheckpoint:
             zeros = torch.full_like(scales, 2 ** (bits - 1)) if self.spec.symmetric else \
                 unpack_codes(read(f"{module}.weight_zero_point").T.contiguous(), bits, out).T.float()
             return QuantizedTensor(self.spec, codes, scales, zeros)
+        if self.method == "awq":
+            codes = deinterleaved(unpack_codes(read(f"{module}.qweight"), 4, out)).T.contiguous()
+            zeros = deinterleaved(unpack_codes(read(f"{module}.qzeros"), 4, out)).T.float().contiguous()
+            return QuantizedTensor(self.spec, codes, read(f"{module}.scales").T.float().contiguous(), zeros)
         codes = unpack_codes(read(f"{module}.qweight").T.contiguous(), bits, n_in)
         scales = read(f"{module}.scales").T.float().contiguous()
         zeros = unpack_codes(read(f"{module}.qzeros"), bits, out).T.to(torch.int16)
@@ -108,6 +144,17 @@ class QuantizedCheckpoint:
 
     def dtype(self, name: str) -> torch.dtype:
         return torch.float32 if name in self.quantized else self._files.dtype(name)
+
+
+def open_checkpoint(path: str | os.PathLike) -> HFCheckpoint | QuantizedCheckpoint:
+    """A model folder as a source: a float checkpoint, or a quantized one (``quantization_config``
+    in its config.json), whose weights are dequantized one tensor at a time as they are read."""
+    path = Path(path)
+    if (path / "config.json").is_file():
+        config = read_json(path / "config.json")
+        if isinstance(config, dict) and config.get("quantization_config") is not None:
+            return QuantizedCheckpoint.open(path)
+    return HFCheckpoint.open(path)
 
 
 def _scheme(q: dict, where: str) -> tuple[QuantSpec, str]:
@@ -133,10 +180,15 @@ def _scheme(q: dict, where: str) -> tuple[QuantSpec, str]:
             if w.get("type") != "int" or w.get("strategy") not in ("group", "channel"):
                 raise ValueError(f"{w.get('type')} weights by {w.get('strategy')}")
             return QuantSpec(w["num_bits"], bool(w.get("symmetric", True)), w["strategy"], w.get("group_size")), "compressed-tensors"
+        if method == "awq":
+            if str(q.get("version", "gemm")).lower() != "gemm" or q.get("bits", 4) != 4:
+                raise ValueError(f"version {q.get('version')!r}, {q.get('bits')} bits (the GEMM layout holds int4)")
+            # zero-points are always stored; a symmetric spec would only fix them at 8
+            return QuantSpec(4, False, "group", int(q["group_size"])), "awq"
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise InputError(f"{where}: a {method} quantization_config this reader does not take ({e})") from None
-    raise InputError(f"{where}: quant_method {method!r}: the readable quantized checkpoints are gptq and "
-                     "compressed-tensors (pack-quantized)")
+    raise InputError(f"{where}: quant_method {method!r}: the readable quantized checkpoints are gptq, awq (gemm) "
+                     "and compressed-tensors (pack-quantized)")
 
 
 def _check_stored(raw: HFCheckpoint, method: str, spec: QuantSpec, name: str, shape: tuple[int, ...]) -> set[str]:
@@ -151,6 +203,11 @@ def _check_stored(raw: HFCheckpoint, method: str, spec: QuantSpec, name: str, sh
                   f"{module}.weight_scale": (None, (out, groups)), f"{module}.weight_shape": (torch.int64, (2,))}
         if not spec.symmetric:
             layout[f"{module}.weight_zero_point"] = (torch.int32, (math.ceil(out * bits / 32), groups))
+    elif method == "awq":
+        if out % 8:
+            raise InputError(f"{raw.path}: '{module}' has {out} outputs; AWQ packs them eight to a word")
+        layout = {f"{module}.qweight": (torch.int32, (n_in, out // 8)), f"{module}.qzeros": (torch.int32, (groups, out // 8)),
+                  f"{module}.scales": (None, (groups, out))}
     else:
         layout = {f"{module}.qweight": (torch.int32, (math.ceil(n_in * bits / 32), out)),
                   f"{module}.qzeros": (torch.int32, (groups, math.ceil(out * bits / 32))),

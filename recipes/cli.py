@@ -54,8 +54,8 @@ def export(
     imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix: a llama.cpp imatrix file (.gguf or .dat), or a calibration text to compute one from."),
 ) -> None:
     """Convert a Hugging Face checkpoint to a GGUF file in one step, as llama.cpp's converter and quantizer would."""
-    from formats.hf import HFCheckpoint
     from formats.outputs import Outputs, check_output_path
+    from formats.quantized_checkpoint import open_checkpoint
     from quant.ggml import FILE_TYPES
     from recipes.importance import load_or_compute_imatrix
     from recipes.pipeline import progress_bar
@@ -65,7 +65,7 @@ def export(
     if file_type not in FILE_TYPES:
         raise InputError(f"--gguf {gguf}: unknown GGUF file type (choose from {', '.join(FILE_TYPES)})")
     variant = gguf_variant(file_type, imatrix is not None)
-    ckpt = HFCheckpoint.open(model)
+    ckpt = open_checkpoint(model)
     for path in export_paths(ckpt, variant, out.parent, gguf_path=out).values():
         check_output_path(path, folder=False)
     plan_variant(ckpt, variant, imatrix is not None)

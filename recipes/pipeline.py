@@ -25,6 +25,7 @@ from evalsuite.report import Report, VariantRow, compare_with_original, write_re
 from evalsuite.recommend import Budget, recommend
 from evalsuite.tasks import Task, load_task, run_task
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
+from formats.quantized_checkpoint import QuantizedCheckpoint, open_checkpoint
 from formats.outputs import Outputs, check_output_path, folder_lock
 from quant.activations import simulated_activations
 from quant.kv_cache import simulated_kv_cache
@@ -41,7 +42,7 @@ from recipes.variants import FOLDER_EXPORTS, activation_modules, build_variant, 
 def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
     """Run the job into ``out_dir``, which it holds locked for the while (formats/outputs.py)."""
     check_output_path(out_dir, folder=True)
-    ckpt = HFCheckpoint.open(recipe.model)
+    ckpt = open_checkpoint(recipe.model)
     check_against_model(recipe, ckpt.arch)
     specs = recipe.evaluation.tasks
     ours = {t.name: load_task(Path(t.task), t.name, t.limit, t.num_fewshot or 0) for t in specs if not t.runs_in_lm_eval}
@@ -206,12 +207,16 @@ def _describe_weights(variant: Variant) -> str:
     return label
 
 
-def _bits_of_source(ckpt: HFCheckpoint) -> float:
+def _bits_of_source(ckpt: HFCheckpoint | QuantizedCheckpoint) -> float:
+    if isinstance(ckpt, QuantizedCheckpoint):
+        return ckpt.bits_per_weight
     total = sum(_numel(ckpt.shape(n)) for n in ckpt.names)
     return sum(_numel(ckpt.shape(n)) * ckpt.dtype(n).itemsize * 8 for n in ckpt.names) / total
 
 
-def _dtype_label(ckpt: HFCheckpoint) -> str:
+def _dtype_label(ckpt: HFCheckpoint | QuantizedCheckpoint) -> str:
+    if isinstance(ckpt, QuantizedCheckpoint):
+        return ckpt.label
     return "/".join(sorted({str(ckpt.dtype(n)).removeprefix("torch.") for n in ckpt.names}))
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from formats.hf import HFCheckpoint, read_json
-from formats.quantized_checkpoint import QuantizedCheckpoint
+from formats.hf import HFCheckpoint
+from formats.quantized_checkpoint import QuantizedCheckpoint, open_checkpoint
 from quant.types import InputError
 
 EXPORTS = ("compressed-tensors", "gptq", "safetensors")  # what a recipe's variant folder holds, in the order taken
@@ -21,8 +21,4 @@ def open_model(path: Path) -> HFCheckpoint | QuantizedCheckpoint:
             raise InputError(f"{path}: neither a model folder nor a recipe variant with a "
                              f"{', '.join(EXPORTS)} export")
         path = export
-    if (path / "config.json").is_file():
-        config = read_json(path / "config.json")
-        if isinstance(config, dict) and config.get("quantization_config") is not None:
-            return QuantizedCheckpoint.open(path)
-    return HFCheckpoint.open(path)
+    return open_checkpoint(path)
