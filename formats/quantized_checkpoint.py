@@ -2,7 +2,8 @@
 it holds (a ``QuantizedTensor``), every other tensor as it is.
 
 Three layouts, the inverses of our writers (formats/compressed_tensors.py, formats/gptq.py,
-formats/awq.py): compressed-tensors ``pack-quantized`` (integer weights by group or channel), GPTQ
+formats/awq.py): compressed-tensors (``pack-quantized`` integer weights by group or channel,
+``int-quantized`` int8 channels, ``float-quantized`` fp8 by tensor, channel or block), GPTQ
 (the AutoGPTQ layout, v1 and v2, with ``g_idx``) and AWQ (AutoAWQ's GEMM layout). The folder is
 checked as a float one is: its config's model must have every tensor, each quantized Linear
 stored in its format's tensors of the shapes the config implies, and nothing else. So the engine
@@ -31,9 +32,12 @@ class QuantizedCheckpoint:
     checkpoint of it would name them; ``payload(name)`` gives a quantized weight's codes, and
     ``tensor(name)`` any tensor in float32 (dequantized where quantized)."""
 
-    def __init__(self, files: HFCheckpoint, spec: QuantSpec, method: str, quantized: set[str], names: list[str]):
+    def __init__(self, files: HFCheckpoint, spec: QuantSpec, method: str, layout: str, quantized: set[str], names: list[str]):
         self.path, self.config, self.arch = files.path, files.config, files.arch
         self.spec, self.method, self.quantized, self.names = spec, method, quantized, names
+        self.layout = layout  # compressed-tensors' format (pack-quantized, ...); the method's name otherwise
+        self._fused: dict[str, list[str]] = {}  # a fused weight -> the stored parts it is made of, by rows
+        self._stored_quantized = quantized  # the quantized weights as stored (the parts, not the fused weight)
         self._files = files
 
     @property
@@ -82,15 +86,21 @@ class QuantizedCheckpoint:
         where = str(path / "config.json")
         hf = transformers_config(config, where)
         raw = HFCheckpoint(path, config, from_transformers(hf, config, where), headers)
-        spec, method = _scheme(q, where)
+        spec, method, layout = _scheme(q, where)
         expected, optional = expected_tensors(hf, where)
         stored = set(raw.names)
-        marker = {"gptq": ".qweight", "awq": ".qweight", "compressed-tensors": ".weight_packed"}[method]
+        marker = {"gptq": ".qweight", "awq": ".qweight", "pack-quantized": ".weight_packed"}.get(layout, ".weight_scale")
         quantized = {f"{n.removesuffix(marker)}.weight" for n in stored if n.endswith(marker)}
-        needed = set()
+        needed, fused = set(), {}
         for name, shape in expected.items():
-            if name in quantized:
-                needed |= _check_stored(raw, method, spec, name, shape)
+            parts = [name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")]
+            if name.endswith("mlp.gate_up_proj.weight") and name not in stored and set(parts) <= quantized:
+                # Phi-3's GPTQ and AWQ folders split it as GPTQModel quantizes it: fused back here
+                for part in parts:
+                    needed |= _check_stored(raw, layout, spec, part, (shape[0] // 2, shape[1]))
+                fused[name] = parts
+            elif name in quantized:
+                needed |= _check_stored(raw, layout, spec, name, shape)
             elif name in stored:
                 if raw.shape(name) != shape:
                     raise InputError(f"{path}: tensor '{name}' has shape {list(raw.shape(name))}, the config gives {list(shape)}")
@@ -101,11 +111,19 @@ class QuantizedCheckpoint:
         if extra:
             raise InputError(f"{path}: tensor '{extra[0]}' is not part of the {method} checkpoint of the "
                              f"{raw.architecture} that config.json describes")
-        return cls(raw, spec, method, quantized, [n for n in expected if n in quantized or n in stored])
+        checkpoint = cls(raw, spec, method, layout, quantized - {p for ps in fused.values() for p in ps} | set(fused),
+                         [n for n in expected if n in quantized or n in stored or n in fused])
+        checkpoint._fused, checkpoint._stored_quantized = fused, quantized
+        return checkpoint
 
     def shape(self, name: str) -> tuple[int, ...]:
-        if name in self.quantized:
+        if name in self._fused:
+            shapes = [self.shape(p) for p in self._fused[name]]
+            return sum(s[0] for s in shapes), shapes[0][1]
+        if name in self._stored_quantized:
             module = name.removesuffix(".weight")
+            if self.layout in ("int-quantized", "float-quantized"):
+                return self._files.shape(name)
             if self.method == "compressed-tensors":
                 return tuple(self._files.tensor(f"{module}.weight_shape").tolist())
             n_in = self._files.shape(f"{module}.qweight")[0] if self.method == "awq" else self._files.shape(f"{module}.g_idx")[0]
@@ -113,11 +131,24 @@ class QuantizedCheckpoint:
         return self._files.shape(name)
 
     def payload(self, name: str) -> TensorPayload:
-        if name not in self.quantized:
+        if name in self._fused:
+            parts = [self.payload(p) for p in self._fused[name]]
+            if any(p.group_index is not None for p in parts):  # act-order parts keep their own column groups
+                return torch.cat([p.dequantize() for p in parts])
+            return QuantizedTensor(self.spec, *(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "zeros")))
+        if name not in self._stored_quantized:
             return self._files.tensor(name)
         module = name.removesuffix(".weight")
         read = self._files.tensor
         bits, out, n_in = self.spec.bits, *self.shape(name)
+        if self.layout == "int-quantized":  # int8 levels minus 128, one scale per row
+            codes = (read(name).to(torch.int16) + 128).to(torch.uint8)
+            scales = read(f"{module}.weight_scale").float().reshape(out, 1)
+            return QuantizedTensor(self.spec, codes, scales, torch.full_like(scales, 128.0))
+        if self.layout == "float-quantized":  # fp8 bit patterns; a scale per tensor, row or block
+            scales = read(f"{module}.weight_scale").float()
+            scales = scales.reshape(1, 1).expand(out, 1).contiguous() if self.spec.granularity == "tensor" else scales.reshape(-1, scales.shape[-1])
+            return QuantizedTensor(self.spec, read(name).view(torch.uint8), scales, torch.zeros_like(scales))
         if self.method == "compressed-tensors":
             codes = unpack_codes(read(f"{module}.weight_packed"), bits, n_in)
             scales = read(f"{module}.weight_scale").float()
@@ -143,6 +174,7 @@ class QuantizedCheckpoint:
         return payload.dequantize() if isinstance(payload, QuantizedTensor) else payload.float()
 
     def dtype(self, name: str) -> torch.dtype:
+        """float32 for a quantized weight (what ``tensor`` gives), the stored dtype otherwise."""
         return torch.float32 if name in self.quantized else self._files.dtype(name)
 
 
@@ -157,8 +189,8 @@ def open_checkpoint(path: str | os.PathLike) -> HFCheckpoint | QuantizedCheckpoi
     return HFCheckpoint.open(path)
 
 
-def _scheme(q: dict, where: str) -> tuple[QuantSpec, str]:
-    """The weights' spec and the layout, from the quantization_config."""
+def _scheme(q: dict, where: str) -> tuple[QuantSpec, str, str]:
+    """The weights' spec, the method and its layout, from the quantization_config."""
     method = q.get("quant_method")
     try:
         if method == "gptq":
@@ -169,57 +201,75 @@ def _scheme(q: dict, where: str) -> tuple[QuantSpec, str]:
                              None if group in (-1, None) else group)
             if q.get("checkpoint_format", "gptq") == "gptq" and not spec.symmetric:
                 raise ValueError("asymmetric weights in checkpoint_format gptq (v1 cannot hold them)")
-            return spec, "gptq"
+            return spec, "gptq", "gptq"
         if method == "compressed-tensors":
-            if q.get("format") != "pack-quantized":
-                raise ValueError(f"format {q.get('format')!r} (the engine reads pack-quantized)")
+            layout = q.get("format")
             groups = q.get("config_groups") or {}
             if len(groups) != 1:
                 raise ValueError("more than one config group")
             w = next(iter(groups.values()))["weights"]
-            if w.get("type") != "int" or w.get("strategy") not in ("group", "channel"):
-                raise ValueError(f"{w.get('type')} weights by {w.get('strategy')}")
-            return QuantSpec(w["num_bits"], bool(w.get("symmetric", True)), w["strategy"], w.get("group_size")), "compressed-tensors"
+            strategy = w.get("strategy")
+            if layout == "pack-quantized" and w.get("type") == "int" and strategy in ("group", "channel"):
+                return QuantSpec(w["num_bits"], bool(w.get("symmetric", True)), strategy, w.get("group_size")), method, layout
+            if layout == "int-quantized" and w.get("type") == "int" and w.get("num_bits") == 8 and strategy == "channel" \
+                    and w.get("symmetric", True):
+                return QuantSpec(8, True, "channel"), method, layout
+            if layout == "float-quantized" and w.get("type") == "float" and w.get("num_bits") == 8 \
+                    and strategy in ("tensor", "channel", "block"):
+                block = w.get("block_structure") if strategy == "block" else None
+                if block is not None and (len(block) != 2 or block[0] != block[1]):
+                    raise ValueError(f"block_structure {block} (square blocks only)")
+                return QuantSpec(8, True, strategy, block[0] if block else None, format="fp8_e4m3"), method, layout
+            raise ValueError(f"format {layout!r} with {w.get('num_bits')}-bit {w.get('type')} weights by {strategy}")
         if method == "awq":
             if str(q.get("version", "gemm")).lower() != "gemm" or q.get("bits", 4) != 4:
                 raise ValueError(f"version {q.get('version')!r}, {q.get('bits')} bits (the GEMM layout holds int4)")
             # zero-points are always stored; a symmetric spec would only fix them at 8
-            return QuantSpec(4, False, "group", int(q["group_size"])), "awq"
+            return QuantSpec(4, False, "group", int(q["group_size"])), "awq", "awq"
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise InputError(f"{where}: a {method} quantization_config this reader does not take ({e})") from None
     raise InputError(f"{where}: quant_method {method!r}: the readable quantized checkpoints are gptq, awq (gemm) "
-                     "and compressed-tensors (pack-quantized)")
+                     "and compressed-tensors (pack-quantized, int-quantized, float-quantized)")
 
 
-def _check_stored(raw: HFCheckpoint, method: str, spec: QuantSpec, name: str, shape: tuple[int, ...]) -> set[str]:
+def _check_stored(raw: HFCheckpoint, layout: str, spec: QuantSpec, name: str, shape: tuple[int, ...]) -> set[str]:
     """The stored tensors of one quantized weight ``[out, in]``, checked to be of the shapes and
-    dtypes its format gives; returns their names."""
+    dtypes its layout gives; returns their names."""
     module, (out, n_in), bits = name.removesuffix(".weight"), shape, spec.bits
     groups = n_in // spec.group_size if spec.granularity == "group" else 1
-    if spec.granularity == "group" and n_in % spec.group_size:
-        raise InputError(f"{raw.path}: group_size {spec.group_size} does not divide the {n_in} inputs of '{module}'")
-    if method == "compressed-tensors":
-        layout = {f"{module}.weight_packed": (torch.int32, (out, math.ceil(n_in * bits / 32))),
+    if spec.granularity in ("group", "block") and (n_in % spec.group_size or (spec.granularity == "block" and out % spec.group_size)):
+        raise InputError(f"{raw.path}: {spec.granularity} size {spec.group_size} does not divide the {list(shape)} weight of '{module}'")
+    if layout in ("int-quantized", "float-quantized"):
+        scales = {"tensor": None, "channel": (out, 1), "block": (out // (spec.group_size or 1), n_in // (spec.group_size or 1))}[spec.granularity]
+        tensors = {name: (torch.int8 if layout == "int-quantized" else torch.float8_e4m3fn, shape)}
+        if scales is not None:
+            tensors[f"{module}.weight_scale"] = (None, scales)
+        elif f"{module}.weight_scale" not in raw.names or math.prod(raw.shape(f"{module}.weight_scale")) != 1:
+            raise InputError(f"{raw.path}: no one-value tensor '{module}.weight_scale' for the per-tensor fp8 weight '{name}'")
+        else:
+            tensors[f"{module}.weight_scale"] = (None, raw.shape(f"{module}.weight_scale"))
+    elif layout == "pack-quantized":
+        tensors = {f"{module}.weight_packed": (torch.int32, (out, math.ceil(n_in * bits / 32))),
                   f"{module}.weight_scale": (None, (out, groups)), f"{module}.weight_shape": (torch.int64, (2,))}
         if not spec.symmetric:
-            layout[f"{module}.weight_zero_point"] = (torch.int32, (math.ceil(out * bits / 32), groups))
-    elif method == "awq":
+            tensors[f"{module}.weight_zero_point"] = (torch.int32, (math.ceil(out * bits / 32), groups))
+    elif layout == "awq":
         if out % 8:
             raise InputError(f"{raw.path}: '{module}' has {out} outputs; AWQ packs them eight to a word")
-        layout = {f"{module}.qweight": (torch.int32, (n_in, out // 8)), f"{module}.qzeros": (torch.int32, (groups, out // 8)),
+        tensors = {f"{module}.qweight": (torch.int32, (n_in, out // 8)), f"{module}.qzeros": (torch.int32, (groups, out // 8)),
                   f"{module}.scales": (None, (groups, out))}
     else:
-        layout = {f"{module}.qweight": (torch.int32, (math.ceil(n_in * bits / 32), out)),
+        tensors = {f"{module}.qweight": (torch.int32, (math.ceil(n_in * bits / 32), out)),
                   f"{module}.qzeros": (torch.int32, (groups, math.ceil(out * bits / 32))),
                   f"{module}.scales": (None, (groups, out)), f"{module}.g_idx": (torch.int32, (n_in,))}
-    for stored, (dtype, expected) in layout.items():
+    for stored, (dtype, expected) in tensors.items():
         if stored not in raw.names:
             raise InputError(f"{raw.path}: no tensor '{stored}' for the quantized weight '{name}'")
         if raw.shape(stored) != expected or (dtype is not None and raw.dtype(stored) != dtype) or \
                 (dtype is None and not raw.dtype(stored).is_floating_point):
             raise InputError(f"{raw.path}: tensor '{stored}' is {raw.dtype(stored)} {list(raw.shape(stored))}; "
-                             f"its {method} layout needs {dtype or 'a float'} {list(expected)}")
-    if method == "compressed-tensors" and tuple(raw.tensor(f"{module}.weight_shape").tolist()) != shape:
+                             f"its {layout} layout needs {dtype or 'a float'} {list(expected)}")
+    if f"{module}.weight_shape" in tensors and tuple(raw.tensor(f"{module}.weight_shape").tolist()) != shape:
         raise InputError(f"{raw.path}: tensor '{module}.weight_shape' says {raw.tensor(f'{module}.weight_shape').tolist()}, "
                          f"the config gives {list(shape)}")
-    return set(layout)
+    return set(tensors)

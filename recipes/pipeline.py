@@ -25,25 +25,33 @@ from evalsuite.report import Report, VariantRow, compare_with_original, write_re
 from evalsuite.recommend import Budget, recommend
 from evalsuite.tasks import Task, load_task, run_task
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
-from formats.quantized_checkpoint import QuantizedCheckpoint, open_checkpoint
 from formats.outputs import Outputs, check_output_path, folder_lock
+from formats.quantized_checkpoint import QuantizedCheckpoint, open_checkpoint
 from quant.activations import simulated_activations
 from quant.kv_cache import simulated_kv_cache
+from quant.types import InputError
 from recipes import lm_eval_tasks
 from recipes.importance import model_imatrix
 from recipes.lm_eval_tasks import LMEvalTask
-from recipes.resume import ORIGINAL, RECORD, Keys, finished, path_size, record, training_checkpoint
+from recipes.resume import ORIGINAL, RECORD, SOURCE, Keys, finished, path_size, record, training_checkpoint
 from recipes.methods import method_of
-from recipes.schema import Calibration, Recipe, Variant, check_against_model
+from recipes.schema import SOURCE_ROW, Calibration, Recipe, Variant, check_against_model
 from recipes.speed import engine_source
 from recipes.variants import FOLDER_EXPORTS, activation_modules, build_variant, export_paths, plan_variant
 
+
+Checkpoint = HFCheckpoint | QuantizedCheckpoint  # a source: float, or quantized and read dequantized
 
 def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
     """Run the job into ``out_dir``, which it holds locked for the while (formats/outputs.py)."""
     check_output_path(out_dir, folder=True)
     ckpt = open_checkpoint(recipe.model)
     check_against_model(recipe, ckpt.arch)
+    baseline = None if recipe.reference is None else open_checkpoint(recipe.reference)
+    if baseline is not None and (baseline.arch.vocab, baseline.arch.layers) != (ckpt.arch.vocab, ckpt.arch.layers):
+        raise InputError(f"field 'reference': {recipe.reference} ({baseline.arch.layers} layers, vocabulary "
+                         f"{baseline.arch.vocab}) is not the original of {recipe.model} ({ckpt.arch.layers} layers, "
+                         f"vocabulary {ckpt.arch.vocab})")
     specs = recipe.evaluation.tasks
     ours = {t.name: load_task(Path(t.task), t.name, t.limit, t.num_fewshot or 0) for t in specs if not t.runs_in_lm_eval}
     theirs = {t.name: t for t in lm_eval_tasks.prepare([t for t in specs if t.runs_in_lm_eval])}
@@ -56,14 +64,18 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
         if killed:
             console.print(f"{out_dir}: taking over from a job that did not finish (pid {killed['pid']} on {killed['host']}, "
                           f"since {killed['since']}); its partial files are removed", markup=False, highlight=False)
-        return _run(recipe, ckpt, tasks, out_dir, console)
+        return _run(recipe, ckpt, baseline, tasks, out_dir, console)
 
 
-def _run(recipe: Recipe, ckpt: HFCheckpoint, tasks: list[Task | LMEvalTask], out_dir: Path, console: Console) -> Report:
+def _run(recipe: Recipe, ckpt: Checkpoint, baseline: Checkpoint | None, tasks: list[Task | LMEvalTask], out_dir: Path,
+         console: Console) -> Report:
+    """Score the original (``baseline``, the reference, where given; else ``ckpt`` itself), then
+    ``ckpt`` against it when they differ, then each variant of ``ckpt``."""
     tokenizer = load_tokenizer(ckpt)
     ev = recipe.evaluation
     windows = token_windows(tokenizer, ev.text, ev.window, ev.max_windows)
-    keys = Keys(recipe, ckpt)
+    keys = Keys(recipe, ckpt, baseline)
+    original_ckpt = baseline or ckpt
     kept = {v.name: finished(out_dir / v.name / RECORD, keys.variant(v), out_dir) for v in recipe.variants}
     todo = [v for v in recipe.variants if kept[v.name] is None]
     for name, row in kept.items():
@@ -75,24 +87,22 @@ def _run(recipe: Recipe, ckpt: HFCheckpoint, tasks: list[Task | LMEvalTask], out
 
     with progress_bar(console) as progress:
         original = None if todo else finished(out_dir / ORIGINAL, keys.original(), out_dir)
-        if original is None:
+        source_row = None if todo or baseline is None else finished(out_dir / SOURCE, keys.original(), out_dir)
+        if original is None or (baseline is not None and source_row is None):
             loading = progress.add_task("original: load", total=None)
-            reference_model = load_causal_lm(ckpt)
+            reference_model = load_causal_lm(original_ckpt)
+            source_model = reference_model if baseline is None else load_causal_lm(ckpt)
             progress.remove_task(loading)
             imatrix = None
             if needs_imatrix:
                 imatrix = _tracked(progress, "importance matrix", len(calib_windows),
-                                   lambda tick: model_imatrix(reference_model, ckpt, calib_windows, tick))
+                                   lambda tick: model_imatrix(source_model, ckpt, calib_windows, tick))
             reference = causal_lm_logprobs(reference_model)
-            start = time.perf_counter()
-            scores = _tracked(progress, "original: evaluate", len(windows),
-                              lambda tick: score(reference, windows, on_window=tick))
-            answers = _tasks(progress, "original", reference, tokenizer, ckpt, tasks, engine_source(ckpt.path, None, []))
-            bits = _bits_of_source(ckpt)
-            original = VariantRow("original", f"source ({_dtype_label(ckpt)})", bits, _size_mb(ckpt, bits), scores,
-                                  seconds=time.perf_counter() - start, tasks=answers,
-                                  speed=_speed(progress, recipe, ckpt, None, [], tokenizer))
-        rows = [original]
+            original = _source_row(progress, recipe, "original", original_ckpt, reference, None, windows, tokenizer, tasks)
+            if baseline is not None:
+                source_row = _source_row(progress, recipe, SOURCE_ROW, ckpt, causal_lm_logprobs(source_model), reference,
+                                         windows, tokenizer, tasks)
+        rows = [original] + ([source_row] if source_row is not None else [])
         for variant in recipe.variants:
             if kept[variant.name] is not None:
                 row = kept[variant.name]
@@ -107,7 +117,7 @@ def _run(recipe: Recipe, ckpt: HFCheckpoint, tasks: list[Task | LMEvalTask], out
             with Outputs() as outputs:  # the variant's files get their names once it is scored
                 built = build_variant(ckpt, variant, out_dir, progress, imatrix=uses, calibration=calib_windows,
                                       outputs=outputs, checkpoint=checkpoint)
-                model = model_from_state(reference_model.config, built.state)
+                model = model_from_state(source_model.config, built.state)
                 bits, files, statistics = built.bits_per_weight, built.files, built.input_statistics
                 errors, measure = built.linear_errors, built.error_measure
                 del built
@@ -131,13 +141,28 @@ def _run(recipe: Recipe, ckpt: HFCheckpoint, tasks: list[Task | LMEvalTask], out
             record(done, keys.variant(variant), row)
             rows.append(row)
 
+    if source_row is not None:
+        source_row.ppl_delta = source_row.scores.ppl - original.scores.ppl
     compare_with_original(rows)
     budget = Budget(**recipe.budget.model_dump()) if recipe.budget else None
     report = Report(model=str(recipe.model), eval_text=str(ev.text), windows=windows.shape[0],
                     window=windows.shape[1], rows=rows, recommendation=recommend(rows, budget, recipe.goal))
     write_report(report, out_dir)
     record(out_dir / ORIGINAL, keys.original(), original)
+    if source_row is not None:
+        record(out_dir / SOURCE, keys.original(), source_row)
     return report
+
+
+def _source_row(progress: Progress, recipe: Recipe, name: str, ckpt: Checkpoint, logprobs, reference, windows: torch.Tensor,
+                tokenizer, tasks: list[Task | LMEvalTask]) -> VariantRow:
+    """The row of a checkpoint as it is: the original, or the model beside its reference."""
+    start = time.perf_counter()
+    scores = _tracked(progress, f"{name}: evaluate", len(windows), lambda tick: score(logprobs, windows, reference, on_window=tick))
+    answers = _tasks(progress, name, logprobs, tokenizer, ckpt, tasks, engine_source(ckpt.path, None, []))
+    bits = _bits_of_source(ckpt)
+    return VariantRow(name, f"source ({_dtype_label(ckpt)})", bits, _size_mb(ckpt, bits), scores,
+                      seconds=time.perf_counter() - start, tasks=answers, speed=_speed(progress, recipe, ckpt, None, [], tokenizer))
 
 
 def _tasks(progress: Progress, who: str, logprobs, tokenizer, ckpt: HFCheckpoint, tasks: list[Task | LMEvalTask],

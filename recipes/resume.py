@@ -32,16 +32,18 @@ from recipes.schema import Recipe, TaskSpec, Variant
 
 RECORD = ".done.json"
 ORIGINAL = ".original.json"
+SOURCE = ".source.json"  # the model's own row, when a reference is the baseline
 
 
 class Keys:
     """The resume keys of one job's original and variants."""
 
-    def __init__(self, recipe: Recipe, ckpt: HFCheckpoint):
+    def __init__(self, recipe: Recipe, ckpt: HFCheckpoint, reference: HFCheckpoint | None = None):
         ev = recipe.evaluation
         self._evaluation = {
             "quantbench": _source_digest(),
             "model": {"config": ckpt.config, "files": _folder_stat(ckpt.path)},
+            "reference": None if reference is None else {"config": reference.config, "files": _folder_stat(reference.path)},
             "evaluation": {"text": _sha256(ev.text), "window": ev.window, "max_windows": ev.max_windows,
                            "tasks": [{**_task_inputs(t), "limit": t.limit, "num_fewshot": t.num_fewshot}
                                      for t in ev.tasks]},

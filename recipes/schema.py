@@ -461,8 +461,13 @@ class Budget(_Strict):
     task_drop: Fraction | None = Field(default=None, le=1)
 
 
+SOURCE_ROW = "source"  # the report's row of ``model`` when ``reference`` is its baseline
+
+
 class Recipe(_Strict):
     model: FilePath
+    # the original of a quantized ``model``: the report's baseline, with ``model`` scored beside the variants
+    reference: FilePath | None = None
     evaluation: Evaluation
     calibration: Calibration | None = None
     variants: list[Variant] = Field(min_length=1)
@@ -490,6 +495,12 @@ class Recipe(_Strict):
     @classmethod
     def _unique_names(cls, variants: list[Variant]) -> list[Variant]:
         return _unique("variant", variants)
+
+    @model_validator(mode="after")
+    def _source_row_name_is_free(self) -> "Recipe":
+        if self.reference is not None and any(v.name == SOURCE_ROW for v in self.variants):
+            raise ValueError(f"variant name '{SOURCE_ROW}' is the report's row of the model when a reference is given")
+        return self
 
 
 def check_against_model(recipe: Recipe, arch: Architecture) -> None:
@@ -531,6 +542,7 @@ def load_recipe(path: Path) -> Recipe:
     return recipe.model_copy(
         update={
             "model": base / recipe.model,
+            "reference": base / recipe.reference if recipe.reference else None,
             "evaluation": recipe.evaluation.model_copy(update={
                 "text": base / recipe.evaluation.text,
                 "tasks": [t.resolved(base) for t in recipe.evaluation.tasks]}),

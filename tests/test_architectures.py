@@ -242,3 +242,21 @@ def test_a_model_with_a_vision_tower_is_refused_in_one_line(tmp_path, zoo):
                                                     "vision_config": {"model_type": "siglip_vision_model"}}))
     with pytest.raises(InputError, match="config.json: a gemma3 model with a vision tower .*Gemma3ForCausalLM"):
         HFCheckpoint.open(folder)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_phi3_gptq_and_awq_folders_read_back_with_gate_up_proj_fused_again(calibrated, method):
+    """Our reader (a quantized source, the engine) takes Phi-3's split gate_proj and up_proj back
+    into the one gate_up_proj the model has."""
+    from safetensors.torch import load_file
+
+    from formats.quantized_checkpoint import QuantizedCheckpoint
+
+    folder = calibrated["phi3"] / method
+    source = QuantizedCheckpoint.open(folder / method)
+    dense = load_file(folder / "safetensors" / "model.safetensors")
+    assert sorted(source.names) == sorted(dense)
+    fused = "model.layers.1.mlp.gate_up_proj.weight"
+    assert fused in source.quantized and source.shape(fused) == tuple(dense[fused].shape)
+    for name in source.quantized:
+        assert torch.equal(source.tensor(name), dense[name]), name

@@ -17,11 +17,15 @@ from formats.quantized_checkpoint import QuantizedCheckpoint, open_checkpoint
 from recipes.schema import Variant
 from recipes.variants import build_variant, gguf_variant
 
-SOURCES = {  # a source folder per layout, made by our writers from the bundled model
-    "gptq": {"method": "gptq", "bits": 4, "group_size": 64, "symmetric": False, "act_order": True},
-    "awq": {"method": "awq", "bits": 4, "group_size": 64},
-    "compressed-tensors": {"method": "rtn", "bits": 4, "granularity": "group", "group_size": 64},
+SOURCES = {  # a source folder per layout, made by our writers from the bundled model: weights, export, activations
+    "gptq": ({"method": "gptq", "bits": 4, "group_size": 64, "symmetric": False, "act_order": True}, "gptq", None),
+    "awq": ({"method": "awq", "bits": 4, "group_size": 64}, "awq", None),
+    "compressed-tensors": ({"method": "rtn", "bits": 4, "granularity": "group", "group_size": 64}, "compressed-tensors", None),
+    "int-quantized": ({"method": "rtn", "bits": 8}, "compressed-tensors", {"format": "int8"}),
+    "float-quantized": ({"method": "rtn", "format": "fp8_e4m3", "granularity": "block", "group_size": 128},
+                        "compressed-tensors", None),
 }
+FOUR_BIT = ["gptq", "awq", "compressed-tensors"]
 
 
 @pytest.fixture(scope="module")
@@ -31,18 +35,23 @@ def sources(tmp_path_factory):
     ckpt = HFCheckpoint.open(TINY)
     windows = token_windows(load_tokenizer(ckpt), BUNDLED / "calib.txt", 256, 8)
     out = tmp_path_factory.mktemp("sources")
-    for layout, weights in SOURCES.items():
-        variant = Variant.model_validate({"name": layout, "weights": weights, "exports": ["safetensors", layout]})
+    for layout, (weights, export, activations) in SOURCES.items():
+        variant = Variant.model_validate({"name": layout, "weights": weights, "exports": ["safetensors", export],
+                                          "activations": activations})
         build_variant(ckpt, variant, out, keep_weights=False, calibration=windows)
     return out
+
+
+def source_folder(sources, layout):
+    return sources / layout / SOURCES[layout][1]
 
 
 @pytest.mark.parametrize("layout", SOURCES)
 def test_a_quantized_folder_reads_as_the_weights_it_was_written_from(sources, layout):
     from safetensors.torch import load_file
 
-    source = open_checkpoint(sources / layout / layout)
-    assert isinstance(source, QuantizedCheckpoint) and source.method == layout
+    source = open_checkpoint(source_folder(sources, layout))
+    assert isinstance(source, QuantizedCheckpoint) and source.layout in (layout, "pack-quantized")
     dense = load_file(sources / layout / "safetensors" / "model.safetensors")  # the weights as evaluated
     assert sorted(source.names) == sorted(HFCheckpoint.open(TINY).names)
     for name in source.names:
@@ -51,7 +60,7 @@ def test_a_quantized_folder_reads_as_the_weights_it_was_written_from(sources, la
         expected = dense[name] if name in source.quantized else dense[name].half().float()
         assert torch.equal(source.tensor(name), expected), name
     assert len(source.quantized) == 7 * 6
-    assert 4 < source.bits_per_weight < 8  # codes, scales and zero-points; embeddings in float16
+    assert 4 < source.bits_per_weight < 11  # codes, scales and zero-points; embeddings in float16
 
 
 def llama_cpp_perplexity(path, tokens: list[int], window: int = 256) -> float:
@@ -68,7 +77,7 @@ def llama_cpp_perplexity(path, tokens: list[int], window: int = 256) -> float:
     return math.exp(nll / count)
 
 
-@pytest.mark.parametrize("layout", SOURCES)
+@pytest.mark.parametrize("layout", FOUR_BIT)
 def test_a_quantized_source_converts_to_q4_k_m_within_one_percent_of_its_perplexity(sources, tmp_path, layout):
     """As a user converts one: `quantize export SRC --gguf Q4_K_M --imatrix calib.txt`, the
     importance matrix computed on the dequantized source. (Without one, the bundled model's GPTQ
@@ -77,7 +86,7 @@ def test_a_quantized_source_converts_to_q4_k_m_within_one_percent_of_its_perplex
     from formats.hf import load_causal_lm
     from recipes.importance import model_imatrix
 
-    source = open_checkpoint(sources / layout / layout)
+    source = open_checkpoint(source_folder(sources, layout))
     tokenizer = load_tokenizer(source)
     imatrix = model_imatrix(load_causal_lm(source), source, token_windows(tokenizer, BUNDLED / "calib.txt", 512, 16))
     tokens = tokenizer(EVAL_TEXT.read_text(), add_special_tokens=False)["input_ids"][: 8 * 256]
@@ -151,3 +160,40 @@ def test_quantize_export_converts_a_gptq_folder(sources, tmp_path, monkeypatch, 
     assert "Q4_K_M" in out
     types = {t.tensor_type.name for t in GGUFReader(tmp_path / "m.gguf").tensors}
     assert {"Q4_K", "Q6_K", "F32"} <= types
+
+
+@pytest.mark.parametrize("layout", ["int-quantized", "float-quantized"])
+def test_an_eight_bit_source_converts_to_q8_0_within_one_percent_of_its_perplexity(sources, tmp_path, layout):
+    source = open_checkpoint(source_folder(sources, layout))
+    tokens = load_tokenizer(source)(EVAL_TEXT.read_text(), add_special_tokens=False)["input_ids"][: 8 * 256]
+    ppl = {}
+    for file_type in ("F32", "Q8_0"):
+        path = build_variant(source, gguf_variant(file_type), tmp_path, keep_weights=False,
+                             gguf_path=tmp_path / f"{file_type}.gguf").files[0]
+        ppl[file_type] = llama_cpp_perplexity(path, tokens)
+    print(f"{layout}: dequantized source {ppl['F32']:.3f}, Q8_0 {ppl['Q8_0']:.3f}")
+    assert abs(ppl["Q8_0"] / ppl["F32"] - 1) < 0.01
+
+
+def test_a_reference_makes_the_original_the_baseline_and_scores_the_model_beside_the_variants(sources, tmp_path):
+    """The customer's AWQ checkpoint against the float original it came from: the original row is
+    the reference, the model gets its own row, and a Q4_K_M converted from the model adds to the
+    model's divergence from the original."""
+    from rich.console import Console
+
+    from conftest import write_recipe
+    from recipes.pipeline import run_recipe
+    from recipes.schema import load_recipe
+
+    recipe = {"model": str(source_folder(sources, "awq")), "reference": str(TINY),
+              "evaluation": {"text": str(EVAL_TEXT), "window": 128, "max_windows": 4},
+              "variants": [{"name": "q4_k_m", "weights": {"method": "gguf", "type": "Q4_K_M"}, "exports": ["gguf"]}]}
+    path = write_recipe(tmp_path, recipe)
+    report = run_recipe(load_recipe(path), tmp_path / "out", Console(quiet=True))
+    original, model, q4 = report.rows
+    assert (original.name, original.method) == ("original", "source (bfloat16)")  # the bundled model, as stored
+    assert model.name == "source" and model.method == "source (awq int4-g64-asym)"
+    assert 0 < model.scores.kld < q4.scores.kld  # the conversion adds to what AWQ lost
+    assert model.ppl_delta == pytest.approx(model.scores.ppl - original.scores.ppl)
+    again = run_recipe(load_recipe(path), tmp_path / "out", Console(quiet=True))  # resumed: nothing to redo
+    assert [r.scores.kld for r in again.rows] == [r.scores.kld for r in report.rows]
