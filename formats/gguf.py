@@ -171,7 +171,7 @@ def _add_hparams(writer: GGUFWriter, arch: Architecture) -> None:
         writer.add_rope_scaling_factor(rope.factor)
     elif rope.scaling == "llama3" and arch.gguf_arch != "llama":
         raise InputError("config.json: rope type 'llama3' is only supported for llama models in GGUF export")
-    elif rope.scaling not in ("default", "llama3"):  # Phi-3's longrope among them  # llama3: the rope_freqs tensor carries it
+    elif rope.scaling not in ("default", "llama3"):  # llama3: the rope_freqs tensor carries it; Phi-3's longrope is refused
         raise InputError(f"config.json: rope type '{rope.scaling}' is not supported for GGUF export yet (supported: default, linear, llama3)")
     writer.add_context_length(arch.max_context)
     writer.add_embedding_length(arch.hidden)

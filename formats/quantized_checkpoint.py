@@ -1,10 +1,11 @@
 """Quantized checkpoint folders read back: each quantized Linear as the codes, scales and zero-points
 it holds (a ``QuantizedTensor``), every other tensor as it is.
 
-Three layouts, the inverses of our writers (formats/compressed_tensors.py, formats/gptq.py,
-formats/awq.py): compressed-tensors (``pack-quantized`` integer weights by group or channel,
-``int-quantized`` int8 channels, ``float-quantized`` fp8 by tensor, channel or block), GPTQ
-(the AutoGPTQ layout, v1 and v2, with ``g_idx``) and AWQ (AutoAWQ's GEMM layout). The folder is
+The layouts our writers make (formats/compressed_tensors.py, gptq.py, awq.py, bitsandbytes.py),
+read back: compressed-tensors (``pack-quantized`` integer weights by group or channel,
+``int-quantized`` int8 channels, ``float-quantized`` fp8 by tensor, channel or block), GPTQ (the
+AutoGPTQ layout, v1 and v2, with ``g_idx``), AWQ (AutoAWQ's GEMM layout), and bitsandbytes as
+transformers saves it (nf4/fp4, with or without double quantization, and LLM.int8). The folder is
 checked as a float one is: its config's model must have every tensor, each quantized Linear
 stored in its format's tensors of the shapes the config implies, and nothing else. So the engine
 can run a variant on its real low-bit weights, and what it runs is exactly what was written; and
@@ -14,6 +15,7 @@ weight at a time), for a GGUF file or a report.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -24,7 +26,7 @@ from formats.architecture import expected_tensors, from_transformers, transforme
 from formats.awq import deinterleaved
 from formats.hf import HFCheckpoint, is_linear_weight, read_json, read_safetensors_header
 from formats.packing import unpack_codes
-from quant.types import InputError, QuantizedTensor, QuantSpec, TensorPayload
+from quant.types import FOUR_BIT_CODES, InputError, QuantizedTensor, QuantSpec, TensorPayload
 
 
 class QuantizedCheckpoint:
@@ -32,12 +34,14 @@ class QuantizedCheckpoint:
     checkpoint of it would name them; ``payload(name)`` gives a quantized weight's codes, and
     ``tensor(name)`` any tensor in float32 (dequantized where quantized)."""
 
-    def __init__(self, files: HFCheckpoint, spec: QuantSpec, method: str, layout: str, quantized: set[str], names: list[str]):
+    def __init__(self, files: HFCheckpoint, spec: QuantSpec, method: str, layout: str, stored: set[str], names: list[str],
+                 fused: dict[str, list[str]] | None = None):
         self.path, self.config, self.arch = files.path, files.config, files.arch
-        self.spec, self.method, self.quantized, self.names = spec, method, quantized, names
+        self.spec, self.method, self.names = spec, method, names
         self.layout = layout  # compressed-tensors' format (pack-quantized, ...); the method's name otherwise
-        self._fused: dict[str, list[str]] = {}  # a fused weight -> the stored parts it is made of, by rows
-        self._stored_quantized = quantized  # the quantized weights as stored (the parts, not the fused weight)
+        self._fused = fused or {}  # a fused weight -> the stored parts it is made of, by rows
+        self._stored_quantized = stored  # the quantized weights as stored (the parts, not the fused weight)
+        self.quantized = stored - {p for parts in self._fused.values() for p in parts} | set(self._fused)
         self._files = files
 
     @property
@@ -46,7 +50,7 @@ class QuantizedCheckpoint:
 
     @property
     def label(self) -> str:
-        """What the checkpoint is, for a report: its layout and weights, e.g. ``gptq int4 g128``."""
+        """What the checkpoint is, for a report: its method and weights, e.g. ``gptq int4-g128-asym``."""
         return f"{self.method} {self.spec.label}"
 
     @property
@@ -86,10 +90,11 @@ class QuantizedCheckpoint:
         where = str(path / "config.json")
         hf = transformers_config(config, where)
         raw = HFCheckpoint(path, config, from_transformers(hf, config, where), headers)
-        spec, method, layout = _scheme(q, where)
+        spec, method, layout = _scheme(q, where, raw)
         expected, optional = expected_tensors(hf, where)
         stored = set(raw.names)
-        marker = {"gptq": ".qweight", "awq": ".qweight", "pack-quantized": ".weight_packed"}.get(layout, ".weight_scale")
+        marker = {"gptq": ".qweight", "awq": ".qweight", "pack-quantized": ".weight_packed", "bnb-4bit": ".weight.absmax",
+                  "bnb-int8": ".SCB"}.get(layout, ".weight_scale")
         quantized = {f"{n.removesuffix(marker)}.weight" for n in stored if n.endswith(marker)}
         needed, fused = set(), {}
         for name, shape in expected.items():
@@ -111,10 +116,7 @@ class QuantizedCheckpoint:
         if extra:
             raise InputError(f"{path}: tensor '{extra[0]}' is not part of the {method} checkpoint of the "
                              f"{raw.architecture} that config.json describes")
-        checkpoint = cls(raw, spec, method, layout, quantized - {p for ps in fused.values() for p in ps} | set(fused),
-                         [n for n in expected if n in quantized or n in stored or n in fused])
-        checkpoint._fused, checkpoint._stored_quantized = fused, quantized
-        return checkpoint
+        return cls(raw, spec, method, layout, quantized, [n for n in expected if n in quantized or n in stored or n in fused], fused)
 
     def shape(self, name: str) -> tuple[int, ...]:
         if name in self._fused:
@@ -122,8 +124,10 @@ class QuantizedCheckpoint:
             return sum(s[0] for s in shapes), shapes[0][1]
         if name in self._stored_quantized:
             module = name.removesuffix(".weight")
-            if self.layout in ("int-quantized", "float-quantized"):
+            if self.layout in ("int-quantized", "float-quantized", "bnb-int8"):
                 return self._files.shape(name)
+            if self.layout == "bnb-4bit":
+                return tuple(_bnb_state(self._files, name)["shape"])
             if self.method == "compressed-tensors":
                 return tuple(self._files.tensor(f"{module}.weight_shape").tolist())
             n_in = self._files.shape(f"{module}.qweight")[0] if self.method == "awq" else self._files.shape(f"{module}.g_idx")[0]
@@ -141,6 +145,12 @@ class QuantizedCheckpoint:
         module = name.removesuffix(".weight")
         read = self._files.tensor
         bits, out, n_in = self.spec.bits, *self.shape(name)
+        if self.layout == "bnb-4bit":
+            return self._bnb_4bit(name, out, n_in)
+        if self.layout == "bnb-int8":  # LLM.int8's rows: int8 times the row's absmax / 127
+            codes = (read(name).to(torch.int16) + 128).to(torch.uint8)
+            scales = (read(f"{module}.SCB").float() / 127).reshape(out, 1)
+            return QuantizedTensor(self.spec, codes, scales, torch.full_like(scales, 128.0))
         if self.layout == "int-quantized":  # int8 levels minus 128, one scale per row
             codes = (read(name).to(torch.int16) + 128).to(torch.uint8)
             scales = read(f"{module}.weight_scale").float().reshape(out, 1)
@@ -169,6 +179,23 @@ class QuantizedCheckpoint:
         plain = torch.arange(n_in, dtype=torch.int32) // (n_in // groups)
         return QuantizedTensor(self.spec, codes, scales, zeros.float().contiguous(), None if torch.equal(g_idx, plain) else g_idx)
 
+    def _bnb_4bit(self, name: str, out: int, n_in: int) -> TensorPayload:
+        """bitsandbytes' 4-bit weight: two codes a byte (high nibble first) over the flattened
+        weight, a scale per block, itself 8-bit quantized in blocks of its own under double
+        quantization (bitsandbytes' ``dequantize_blockwise`` plus the stored offset)."""
+        read, state = self._files.tensor, _bnb_state(self._files, name)
+        packed = read(name).reshape(-1)
+        codes = torch.stack([packed >> 4, packed & 15], 1).reshape(-1)
+        absmax = read(f"{name}.absmax")
+        if "nested_blocksize" in state:
+            nested = read(f"{name}.nested_absmax").float().repeat_interleave(state["nested_blocksize"])[: absmax.numel()]
+            absmax = read(f"{name}.nested_quant_map").float()[absmax.long()] * nested + float(state["nested_offset"])
+        table, block = read(f"{name}.quant_map").float(), state["blocksize"]
+        if n_in % block == 0 and torch.equal(table, FOUR_BIT_CODES[self.spec.format]):
+            return QuantizedTensor(self.spec, codes.reshape(out, n_in), absmax.float().reshape(out, n_in // block),
+                                   torch.zeros(out, n_in // block))
+        return (table[codes.long()].reshape(-1, block) * absmax.float()[:, None]).reshape(out, n_in)
+
     def tensor(self, name: str) -> torch.Tensor:
         payload = self.payload(name)
         return payload.dequantize() if isinstance(payload, QuantizedTensor) else payload.float()
@@ -189,10 +216,36 @@ def open_checkpoint(path: str | os.PathLike) -> HFCheckpoint | QuantizedCheckpoi
     return HFCheckpoint.open(path)
 
 
-def _scheme(q: dict, where: str) -> tuple[QuantSpec, str, str]:
-    """The weights' spec, the method and its layout, from the quantization_config."""
+def _bnb_state(raw: HFCheckpoint, name: str) -> dict:
+    """The JSON record bitsandbytes keeps beside a 4-bit weight (quant type, blocksize, shape,
+    and the nested blocksize and offset under double quantization)."""
+    stored = [n for n in raw.names if n.startswith(f"{name}.quant_state.bitsandbytes__")]
+    if len(stored) != 1:
+        raise InputError(f"{raw.path}: no tensor '{name}.quant_state.bitsandbytes__nf4' (or __fp4) for the 4-bit weight")
+    try:
+        state = json.loads(bytes(raw.tensor(stored[0]).to(torch.uint8).tolist()))
+        int(state["blocksize"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise InputError(f"{raw.path}: tensor '{stored[0]}' is not bitsandbytes' record of a 4-bit weight ({e})") from None
+    return state
+
+
+def _scheme(q: dict, where: str, raw: HFCheckpoint) -> tuple[QuantSpec, str, str]:
+    """The weights' spec, the method and its layout, from the quantization_config (and, for
+    bitsandbytes, whose blocksize it does not say, the first weight's record)."""
     method = q.get("quant_method")
     try:
+        if method == "bitsandbytes":
+            if q.get("load_in_8bit"):
+                return QuantSpec(8, True, "channel"), method, "bnb-int8"
+            if not q.get("load_in_4bit"):
+                raise ValueError("neither load_in_4bit nor load_in_8bit")
+            fmt = q.get("bnb_4bit_quant_type", "fp4")
+            if fmt not in FOUR_BIT_CODES:
+                raise ValueError(f"bnb_4bit_quant_type {fmt!r}")
+            first = next((n.removesuffix(".absmax") for n in raw.names if n.endswith(".weight.absmax")), None)
+            block = _bnb_state(raw, first)["blocksize"] if first else 64
+            return QuantSpec(4, True, "group", int(block), format=fmt), method, "bnb-4bit"
         if method == "gptq":
             if q.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
                 raise ValueError(f"checkpoint_format {q.get('checkpoint_format')!r}")
@@ -228,8 +281,8 @@ def _scheme(q: dict, where: str) -> tuple[QuantSpec, str, str]:
             return QuantSpec(4, False, "group", int(q["group_size"])), "awq", "awq"
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise InputError(f"{where}: a {method} quantization_config this reader does not take ({e})") from None
-    raise InputError(f"{where}: quant_method {method!r}: the readable quantized checkpoints are gptq, awq (gemm) "
-                     "and compressed-tensors (pack-quantized, int-quantized, float-quantized)")
+    raise InputError(f"{where}: quant_method {method!r}: the readable quantized checkpoints are gptq, awq (gemm), "
+                     "compressed-tensors (pack-quantized, int-quantized, float-quantized) and bitsandbytes (4-bit, int8)")
 
 
 def _check_stored(raw: HFCheckpoint, layout: str, spec: QuantSpec, name: str, shape: tuple[int, ...]) -> set[str]:
@@ -239,7 +292,25 @@ def _check_stored(raw: HFCheckpoint, layout: str, spec: QuantSpec, name: str, sh
     groups = n_in // spec.group_size if spec.granularity == "group" else 1
     if spec.granularity in ("group", "block") and (n_in % spec.group_size or (spec.granularity == "block" and out % spec.group_size)):
         raise InputError(f"{raw.path}: {spec.granularity} size {spec.group_size} does not divide the {list(shape)} weight of '{module}'")
-    if layout in ("int-quantized", "float-quantized"):
+    if layout == "bnb-4bit":
+        state, n = _bnb_state(raw, name), out * n_in
+        if list(state.get("shape", [])) != [out, n_in] or n % 2 or n % state["blocksize"]:
+            raise InputError(f"{raw.path}: '{name}' is recorded as {state.get('shape')} in blocks of "
+                             f"{state['blocksize']}; the config gives {list(shape)}")
+        blocks = n // state["blocksize"]
+        record = next(n for n in raw.names if n.startswith(f"{name}.quant_state.bitsandbytes__"))
+        tensors = {name: (torch.uint8, (n // 2, 1)), f"{name}.quant_map": (torch.float32, (16,)),
+                   record: (torch.uint8, raw.shape(record))}
+        if "nested_blocksize" in state:
+            tensors.update({f"{name}.absmax": (torch.uint8, (blocks,)), f"{name}.nested_quant_map": (torch.float32, (256,)),
+                            f"{name}.nested_absmax": (torch.float32, (math.ceil(blocks / state["nested_blocksize"]),))})
+        else:
+            tensors[f"{name}.absmax"] = (torch.float32, (blocks,))
+    elif layout == "bnb-int8":
+        tensors = {name: (torch.int8, shape), f"{module}.SCB": (torch.float32, (out,))}
+        if f"{module}.weight_format" in raw.names:  # what older transformers saved beside (the row layout)
+            tensors[f"{module}.weight_format"] = (raw.dtype(f"{module}.weight_format"), raw.shape(f"{module}.weight_format"))
+    elif layout in ("int-quantized", "float-quantized"):
         scales = {"tensor": None, "channel": (out, 1), "block": (out // (spec.group_size or 1), n_in // (spec.group_size or 1))}[spec.granularity]
         tensors = {name: (torch.int8 if layout == "int-quantized" else torch.float8_e4m3fn, shape)}
         if scales is not None:

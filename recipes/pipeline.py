@@ -42,6 +42,7 @@ from recipes.variants import FOLDER_EXPORTS, activation_modules, build_variant, 
 
 Checkpoint = HFCheckpoint | QuantizedCheckpoint  # a source: float, or quantized and read dequantized
 
+
 def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
     """Run the job into ``out_dir``, which it holds locked for the while (formats/outputs.py)."""
     check_output_path(out_dir, folder=True)
@@ -232,14 +233,14 @@ def _describe_weights(variant: Variant) -> str:
     return label
 
 
-def _bits_of_source(ckpt: HFCheckpoint | QuantizedCheckpoint) -> float:
+def _bits_of_source(ckpt: Checkpoint) -> float:
     if isinstance(ckpt, QuantizedCheckpoint):
         return ckpt.bits_per_weight
     total = sum(_numel(ckpt.shape(n)) for n in ckpt.names)
     return sum(_numel(ckpt.shape(n)) * ckpt.dtype(n).itemsize * 8 for n in ckpt.names) / total
 
 
-def _dtype_label(ckpt: HFCheckpoint | QuantizedCheckpoint) -> str:
+def _dtype_label(ckpt: Checkpoint) -> str:
     if isinstance(ckpt, QuantizedCheckpoint):
         return ckpt.label
     return "/".join(sorted({str(ckpt.dtype(n)).removeprefix("torch.") for n in ckpt.names}))

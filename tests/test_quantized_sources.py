@@ -197,3 +197,125 @@ def test_a_reference_makes_the_original_the_baseline_and_scores_the_model_beside
     assert model.ppl_delta == pytest.approx(model.scores.ppl - original.scores.ppl)
     again = run_recipe(load_recipe(path), tmp_path / "out", Console(quiet=True))  # resumed: nothing to redo
     assert [r.scores.kld for r in again.rows] == [r.scores.kld for r in report.rows]
+
+
+BNB = {  # what transformers + bitsandbytes write for the bundled model
+    "nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
+    "fp4-double": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=True),
+    "int8": dict(load_in_8bit=True),
+}
+
+
+@pytest.fixture(scope="module")
+def bnb_sources(tmp_path_factory):
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is in the 'dev' extra (make test installs it)")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    out = tmp_path_factory.mktemp("bnb")
+    models = {}
+    for name, settings in BNB.items():
+        model = AutoModelForCausalLM.from_pretrained(TINY, quantization_config=BitsAndBytesConfig(**settings), device_map="cpu")
+        model.save_pretrained(out / name)
+        for side in ("tokenizer.json", "tokenizer_config.json"):
+            (out / name / side).write_bytes((TINY / side).read_bytes())
+        models[name] = model
+    return out, models
+
+
+@pytest.mark.parametrize("name", BNB)
+def test_a_bitsandbytes_folder_reads_as_bitsandbytes_dequantizes_it(bnb_sources, name):
+    import bitsandbytes.functional as bnb_functional
+
+    out, models = bnb_sources
+    source = open_checkpoint(out / name)
+    assert source.method == "bitsandbytes" and len(source.quantized) == 7 * 6
+    modules = dict(models[name].named_modules())
+    for weight in sorted(source.quantized):
+        module = modules[weight.removesuffix(".weight")]
+        ours = source.tensor(weight)
+        if name == "int8":  # LLM.int8: int8 rows times their absmax / 127
+            theirs = module.weight.data.float() * module.weight.SCB.float()[:, None] / 127
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0, msg=weight)
+        else:  # bitsandbytes returns the model's dtype: ours, rounded to it once, is what it computes
+            theirs = bnb_functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+            assert torch.equal(ours.to(theirs.dtype), theirs), weight
+
+
+@pytest.mark.parametrize("name, target", [("nf4", "Q4_K_M"), ("int8", "Q8_0")])
+def test_a_bitsandbytes_source_converts_to_gguf_within_one_percent_of_its_perplexity(bnb_sources, tmp_path, name, target):
+    """nf4's levels are no affine grid: its weights are quantized again, with the importance
+    matrix of the dequantized source (without one: +0.82% on the bundled model)."""
+    from calib.text import token_windows
+    from formats.hf import load_causal_lm
+    from recipes.importance import model_imatrix
+
+    out, _ = bnb_sources
+    source = open_checkpoint(out / name)
+    tokenizer = load_tokenizer(source)
+    tokens = tokenizer(EVAL_TEXT.read_text(), add_special_tokens=False)["input_ids"][: 8 * 256]
+    imatrix = model_imatrix(load_causal_lm(source), source, token_windows(tokenizer, BUNDLED / "calib.txt", 512, 16))
+    ppl = {}
+    for file_type in ("F32", target):
+        path = build_variant(source, gguf_variant(file_type, file_type == "Q4_K_M"), tmp_path, keep_weights=False,
+                             imatrix=imatrix if file_type == "Q4_K_M" else None, gguf_path=tmp_path / f"{file_type}.gguf").files[0]
+        ppl[file_type] = llama_cpp_perplexity(path, tokens)
+    print(f"bitsandbytes {name}: dequantized source {ppl['F32']:.3f}, {target} {ppl[target]:.3f}")
+    assert abs(ppl[target] / ppl["F32"] - 1) < 0.01
+
+
+GPTQMODEL_QUANTIZE = r"""
+import sys, torch
+from gptqmodel import GPTQModel, QuantizeConfig
+from transformers import AutoTokenizer
+source, dest, text = sys.argv[1], sys.argv[2], open(sys.argv[3]).read()
+ids = AutoTokenizer.from_pretrained(source)(text)["input_ids"]
+calibration = [{"input_ids": torch.tensor([ids[i:i + 256]]), "attention_mask": torch.ones(1, 256, dtype=torch.long)}
+               for i in range(0, 256 * 16, 256)]
+model = GPTQModel.load(source, QuantizeConfig(bits=4, group_size=64, desc_act=True, sym=True), device="cpu")
+model.quantize(calibration, batch_size=1)
+model.save(dest)
+"""
+
+
+@pytest.fixture(scope="module")
+def gptqmodel_source(tmp_path_factory):
+    """The bundled model quantized by GPTQModel itself (4-bit, groups of 64, act-order), in its
+    own virtualenv, with our dequantized reading of it beside: ``folder/gptq``, ``folder/safetensors``."""
+    import os
+    import subprocess
+
+    from test_gptq_awq_exports import GPTQMODEL
+
+    if not GPTQMODEL.exists():
+        pytest.skip("GPTQModel's venv: bench/anchors/setup.sh gptqmodel (make test runs it)")
+    folder = tmp_path_factory.mktemp("gptqmodel") / "gptqmodel"
+    run = subprocess.run([str(GPTQMODEL), "-c", GPTQMODEL_QUANTIZE, str(TINY), str(folder / "gptq"), str(BUNDLED / "calib.txt")],
+                         capture_output=True, text=True, env=os.environ | {"GPTQMODEL_CPU_WORKERS": "2"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    source = open_checkpoint(folder / "gptq")
+    build_variant(source, Variant.model_validate({"name": "gptqmodel", "weights": {"method": "none"}, "exports": ["safetensors"]}),
+                  folder.parent, keep_weights=False)
+    return folder
+
+
+def test_a_gptq_file_gptqmodel_wrote_reads_as_gptqmodel_reads_it(gptqmodel_source):
+    from test_gptq_awq_exports import assert_read_back_exactly, read_back
+
+    source = open_checkpoint(gptqmodel_source / "gptq")
+    assert source.label == "gptq int4-g64-sym" and len(source.quantized) == 7 * 6
+    # GPTQModel's own dequantization of every module equals ours rounded to float16, and its model
+    # computes what our dequantized weights compute
+    assert_read_back_exactly(read_back(gptqmodel_source, "gptq"))
+
+
+def test_a_gptq_file_gptqmodel_wrote_converts_to_q4_k_m_within_one_percent(gptqmodel_source, tmp_path):
+    """Act-order groups mix within Q4_K's sub-blocks, so these weights are quantized again; over
+    the whole evaluation text (128 windows; 8 windows swing by half a percent) the plain
+    conversion costs +0.89% on the bundled model (+1.01% with an importance matrix)."""
+    source = open_checkpoint(gptqmodel_source / "gptq")
+    tokens = load_tokenizer(source)(EVAL_TEXT.read_text(), add_special_tokens=False)["input_ids"]
+    f32 = build_variant(source, gguf_variant("F32"), tmp_path, keep_weights=False, gguf_path=tmp_path / "f32.gguf").files[0]
+    q4 = build_variant(source, gguf_variant("Q4_K_M"), tmp_path, keep_weights=False, gguf_path=tmp_path / "q4.gguf").files[0]
+    dequantized, converted = llama_cpp_perplexity(f32, tokens), llama_cpp_perplexity(q4, tokens)
+    print(f"GPTQModel's gptq: dequantized source {dequantized:.3f}, Q4_K_M {converted:.3f} ({converted / dequantized - 1:+.2%})")
+    assert abs(converted / dequantized - 1) < 0.01
