@@ -260,3 +260,4 @@ def test_phi3_gptq_and_awq_folders_read_back_with_gate_up_proj_fused_again(calib
     assert fused in source.quantized and source.shape(fused) == tuple(dense[fused].shape)
     for name in source.quantized:
         assert torch.equal(source.tensor(name), dense[name]), name
+

@@ -319,3 +319,23 @@ def test_a_gptq_file_gptqmodel_wrote_converts_to_q4_k_m_within_one_percent(gptqm
     dequantized, converted = llama_cpp_perplexity(f32, tokens), llama_cpp_perplexity(q4, tokens)
     print(f"GPTQModel's gptq: dequantized source {dequantized:.3f}, Q4_K_M {converted:.3f} ({converted / dequantized - 1:+.2%})")
     assert abs(converted / dequantized - 1) < 0.01
+
+
+@pytest.mark.parametrize("quantization, fragment", [
+    ({"quant_method": "hqq", "nbits": 4}, "quant_method 'hqq': the readable quantized checkpoints are gptq, awq"),
+    ({"quant_method": "awq", "version": "exllama", "bits": 4, "group_size": 64}, "a awq quantization_config this reader does not take .version 'exllama'"),
+    ({"quant_method": "compressed-tensors", "format": "marlin-24", "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4, "strategy": "group"}}}},
+     "format 'marlin-24' with 4-bit int weights by group"),
+])
+def test_a_quantization_config_no_reader_takes_is_refused_in_one_line(sources, tmp_path, quantization, fragment):
+    import json
+    import shutil
+
+    from quant.types import InputError
+
+    folder = tmp_path / "m"
+    shutil.copytree(source_folder(sources, "awq"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"quantization_config": quantization}))
+    with pytest.raises(InputError, match=fragment):
+        open_checkpoint(folder)
