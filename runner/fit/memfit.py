@@ -12,8 +12,8 @@ term is shown, so a customer can see why an answer is what it is:
 - KV cache: per layer, values per token times the tokens it keeps: all of them for global
   attention, at most the window for sliding-window layers (Gemma 2/3), one latent vector per token
   for DeepSeek's multi-head latent attention. KV heads are split across tensor-parallel GPUs.
-  llama.cpp keeps a window's layers one cache for all sequences, the windows plus one micro-batch
-  (``Engine.cached_tokens``), and knows by itself which layers of a GGUF file slide.
+  llama.cpp gives the sliding layers one cache for all sequences, their windows plus one
+  micro-batch (``Engine.cached_tokens``), and knows by itself which layers of a GGUF file slide.
 - Activations: the engine's own sizing rule (``Engine``).
 
 Speed bounds: decoding one token reads every active weight and the sequence's KV cache once, so
