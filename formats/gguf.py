@@ -18,7 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
 from formats.hf import HFCheckpoint
 from formats.sentencepiece_model import read_sentencepiece
 from formats.architecture import SLIDING_PATTERN, llama_cpp_windows
-from quant.types import GGUF_ARCHITECTURES, Architecture, GGMLTensor, InputError
+from quant.types import GGUF_ARCHITECTURES, Architecture, GGMLTensor, InputError, Rope, StoredGGMLTensor
 
 
 _LAYER_NAMES = {
@@ -90,12 +90,13 @@ class GGUFFileWriter:
         self.path = path
         self.arch = ckpt.arch
         writer = GGUFWriter(None, architecture_of(ckpt))
-        writer.add_name(ckpt.path.name)
+        carried = ckpt.carried_fields() if hasattr(ckpt, "carried_fields") else {}  # a GGUF source's
+        writer.add_name(carried.pop("general.name", (ckpt.path.name,))[0])
         writer.add_file_type(file_type_id)
         writer.add_quantization_version(2)
         _add_hparams(writer, self.arch)
         try:
-            _add_tokenizer(writer, ckpt)
+            _add_tokenizer(writer, ckpt, carried)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:  # a damaged tokenizer file
             raise InputError(f"{ckpt.path}: the tokenizer files are not a tokenizer this converter reads "
                              f"({type(e).__name__}: {str(e)[:80]})") from None
@@ -129,6 +130,10 @@ class GGUFFileWriter:
         if self._sequence[self._next] != hf_name:
             raise RuntimeError(f"tensor '{hf_name}' arrived out of plan order (expected '{self._sequence[self._next]}')")
         self._next += 1
+        if isinstance(payload, StoredGGMLTensor):  # a GGUF source's tensor, kept as its file holds it
+            self._writer.write_tensor_data(np.ascontiguousarray(payload.raw))
+            self._write_generated()
+            return
         raw = payload.raw
         if hf_name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")) and self.arch.rope_pairs_adjacent_in_gguf:
             raw = _permute_rows(raw, self.arch.kv_heads[0] if ".k_proj." in hf_name else self.arch.heads)
@@ -226,30 +231,38 @@ def _check_llama_cpp_assumptions(arch: Architecture, where: Path) -> None:
 
 
 def _generated_tensors(arch: Architecture) -> dict[str, np.ndarray]:
-    """Tensors llama.cpp needs that the checkpoint does not hold.
-
-    Llama-3.1's rope scaling stretches each rotary frequency by its own factor; llama.cpp reads the
-    per-frequency divisors from ``rope_freqs.weight`` (transformers computes the same from
-    config.json at load time): 1 for short wavelengths, ``factor`` for long ones, and a smooth
-    blend between ``original_max_position_embeddings / high_freq_factor`` and ``/ low_freq_factor``.
-    """
-    rope = arch.rope
-    if rope.scaling != "llama3":
+    """Tensors llama.cpp needs that the checkpoint does not hold: Llama 3.1's ``rope_freqs``."""
+    if arch.rope.scaling != "llama3":
         return {}
+    return {"rope_freqs.weight": llama3_divisors(arch.rope).astype(np.float32)}
+
+
+def llama3_divisors(rope: Rope) -> np.ndarray:
+    """Llama 3.1's rope scaling stretches each rotary frequency by its own factor; llama.cpp reads
+    the per-frequency divisors from ``rope_freqs.weight`` (transformers computes the same from
+    config.json at load time): 1 for short wavelengths, ``factor`` for long ones, and a smooth
+    blend between ``original_max_position_embeddings / high_freq_factor`` and ``/ low_freq_factor``."""
     low, high, old_context = rope.low_freq_factor, rope.high_freq_factor, rope.original_context
     freqs = 1.0 / rope.theta ** (np.arange(0, rope.dims, 2, dtype=np.float64) / rope.dims)
     wavelen = 2 * np.pi / freqs
     smooth = (old_context / wavelen - low) / (high - low)
-    divisors = np.where(
+    return np.where(
         wavelen < old_context / high, 1.0,
         np.where(wavelen > old_context / low, rope.factor, 1.0 / ((1 - smooth) / rope.factor + smooth)),
     )
-    return {"rope_freqs.weight": divisors.astype(np.float32)}
 
 
-def _add_tokenizer(writer: GGUFWriter, ckpt: HFCheckpoint) -> None:
+def _add_tokenizer(writer: GGUFWriter, ckpt: HFCheckpoint, carried: dict[str, tuple[object, tuple]]) -> None:
     """Embed the tokenizer as llama.cpp's converter does: SentencePiece when the checkpoint has a
-    tokenizer.model (Llama-2, Mistral v0.1), else the byte-level BPE of tokenizer.json."""
+    tokenizer.model (Llama-2, Mistral v0.1), else the byte-level BPE of tokenizer.json; a GGUF
+    source's own tokenizer metadata (``carried``), as it is."""
+    if carried:
+        for key, (value, types) in carried.items():
+            items = value.tolist() if isinstance(value, np.ndarray) else value
+            if isinstance(items, list) and not items:  # gguf-py writes no empty arrays
+                continue
+            writer.add_key_value(key, items, types[0], sub_type=types[1] if len(types) > 1 else None)
+        return
     json_path = ckpt.path / "tokenizer.json"
     tok = ckpt.side_file("tokenizer.json")
     tok_cfg = ckpt.tokenizer_config

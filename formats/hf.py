@@ -268,6 +268,21 @@ class HFCheckpoint:
         return archs[0]
 
     @property
+    def label(self) -> str:
+        """What the checkpoint stores, for a report: its dtypes, e.g. ``bfloat16``."""
+        return "/".join(sorted({str(self.dtype(n)).removeprefix("torch.") for n in self.names}))
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * sum(math.prod(self.shape(n)) * self.dtype(n).itemsize for n in self.names) / \
+            sum(math.prod(self.shape(n)) for n in self.names)
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        """The folder the tokenizer files are in."""
+        return self.path
+
+    @property
     def tokenizer_config(self) -> dict:
         return self.side_file("tokenizer_config.json")
 
@@ -387,7 +402,7 @@ def load_causal_lm(ckpt: HFCheckpoint) -> torch.nn.Module:
     if not isinstance(ckpt, HFCheckpoint):  # a quantized source: its weights as it dequantizes them
         from formats.architecture import transformers_config
 
-        config = transformers_config(ckpt.config, str(ckpt.path / "config.json"))
+        config = transformers_config(ckpt.config, str(ckpt.path))
         return model_from_state(config, {name: ckpt.tensor(name) for name in ckpt.names})
     try:
         model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32)
@@ -400,7 +415,7 @@ def load_tokenizer(ckpt: HFCheckpoint):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(ckpt.path)
+        return AutoTokenizer.from_pretrained(ckpt.tokenizer_dir)
     except (ValueError, KeyError, OSError) as e:
         raise InputError(f"{ckpt.path}: cannot load the tokenizer ({str(e).splitlines()[0]})") from None
 

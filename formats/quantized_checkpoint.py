@@ -66,6 +66,10 @@ class QuantizedCheckpoint:
         return [n.removesuffix(".weight") for n in self.names if is_linear_weight(n, self.shape(n))]
 
     @property
+    def tokenizer_dir(self) -> Path:
+        return self._files.tokenizer_dir
+
+    @property
     def tokenizer_config(self) -> dict:
         return self._files.tokenizer_config
 
@@ -203,17 +207,6 @@ class QuantizedCheckpoint:
     def dtype(self, name: str) -> torch.dtype:
         """float32 for a quantized weight (what ``tensor`` gives), the stored dtype otherwise."""
         return torch.float32 if name in self.quantized else self._files.dtype(name)
-
-
-def open_checkpoint(path: str | os.PathLike) -> HFCheckpoint | QuantizedCheckpoint:
-    """A model folder as a source: a float checkpoint, or a quantized one (``quantization_config``
-    in its config.json), whose weights are dequantized one tensor at a time as they are read."""
-    path = Path(path)
-    if (path / "config.json").is_file():
-        config = read_json(path / "config.json")
-        if isinstance(config, dict) and config.get("quantization_config") is not None:
-            return QuantizedCheckpoint.open(path)
-    return HFCheckpoint.open(path)
 
 
 def _bnb_state(raw: HFCheckpoint, name: str) -> dict:

@@ -202,6 +202,18 @@ class GGMLTensor:
         return 8.0 * self.raw.nbytes / int(np.prod(self.shape))
 
 
+@dataclass(frozen=True)
+class StoredGGMLTensor(GGMLTensor):
+    """A GGUF source's tensor exactly as its file stores it (llama's q/k rows interleaved, Gemma's
+    norms plus one), so a GGUF file written from it holds the same bytes; ``values`` is the weight
+    as the model computes with it."""
+
+    values: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        return self.values
+
+
 # What a quantizer hands downstream for one tensor: left as it was, integer-quantized (possibly with
 # 16-bit outlier columns), or ggml-encoded.
 TensorPayload = Union[torch.Tensor, QuantizedTensor, GGMLTensor, "MixedPrecisionTensor"]

@@ -48,14 +48,14 @@ def run(
 
 @app.command()
 def export(
-    model: Path = typer.Argument(..., help="Hugging Face model folder (config.json, *.safetensors, tokenizer)."),
+    model: Path = typer.Argument(..., help="Hugging Face model folder (config.json, *.safetensors, tokenizer), a GPTQ/AWQ/compressed-tensors/bitsandbytes folder, or a GGUF file."),
     gguf: str = typer.Option(..., "--gguf", help="GGUF file type: F32 F16 BF16 Q8_0 Q6_K Q5_K_M Q5_K_S Q4_K_M Q4_K_S Q3_K_L Q3_K_M Q3_K_S Q2_K Q5_1 Q5_0 Q4_1 Q4_0."),
     out: Path = typer.Option(..., "--out", "-o", help="Output .gguf file (an Ollama Modelfile is written beside it)."),
     imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix: a llama.cpp imatrix file (.gguf or .dat), or a calibration text to compute one from."),
 ) -> None:
-    """Convert a Hugging Face checkpoint to a GGUF file in one step, as llama.cpp's converter and quantizer would."""
+    """Convert a checkpoint to a GGUF file in one step, as llama.cpp's converter and quantizer would (from a GGUF file: a tensor whose type stays keeps its bytes)."""
     from formats.outputs import Outputs, check_output_path
-    from formats.quantized_checkpoint import open_checkpoint
+    from formats.sources import open_checkpoint
     from quant.ggml import FILE_TYPES
     from recipes.importance import load_or_compute_imatrix
     from recipes.pipeline import progress_bar
@@ -200,7 +200,7 @@ def _llm(model: Path, dtype: str, kv_cache_dtype: str, block_size: int, max_num_
 
 @app.command()
 def generate(
-    model: Path = typer.Argument(..., help="A Hugging Face model folder (or a recipe's dense variant export)."),
+    model: Path = typer.Argument(..., help="A Hugging Face model folder, a quantized one, a GGUF file (run dequantized), or a recipe's variant folder."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="The text to continue."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="Most tokens to generate."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 for greedy."),
@@ -226,7 +226,7 @@ def generate(
 
 @app.command()
 def bench(
-    model: Path = typer.Argument(..., help="A Hugging Face model folder (or a recipe's dense variant export)."),
+    model: Path = typer.Argument(..., help="A Hugging Face model folder, a quantized one, a GGUF file (run dequantized), or a recipe's variant folder."),
     requests: int = typer.Option(32, "--requests", help="Requests in the workload."),
     concurrency: int = typer.Option(8, "--concurrency", help="Requests in flight at once (each finished one is replaced)."),
     prompt_tokens: str = typer.Option("32,64,128,256", "--prompt-tokens", help="Prompt lengths, in turn."),

@@ -26,7 +26,7 @@ from evalsuite.recommend import Budget, recommend
 from evalsuite.tasks import Task, load_task, run_task
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
 from formats.outputs import Outputs, check_output_path, folder_lock
-from formats.quantized_checkpoint import QuantizedCheckpoint, open_checkpoint
+from formats.sources import Source, open_checkpoint
 from quant.activations import simulated_activations
 from quant.kv_cache import simulated_kv_cache
 from quant.types import InputError
@@ -38,9 +38,6 @@ from recipes.methods import method_of
 from recipes.schema import SOURCE_ROW, Calibration, Recipe, Variant, check_against_model
 from recipes.speed import engine_source
 from recipes.variants import FOLDER_EXPORTS, activation_modules, build_variant, export_paths, plan_variant
-
-
-Checkpoint = HFCheckpoint | QuantizedCheckpoint  # a source: float, or quantized and read dequantized
 
 
 def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
@@ -68,7 +65,7 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
         return _run(recipe, ckpt, baseline, tasks, out_dir, console)
 
 
-def _run(recipe: Recipe, ckpt: Checkpoint, baseline: Checkpoint | None, tasks: list[Task | LMEvalTask], out_dir: Path,
+def _run(recipe: Recipe, ckpt: Source, baseline: Source | None, tasks: list[Task | LMEvalTask], out_dir: Path,
          console: Console) -> Report:
     """Score the original (``baseline``, the reference, where given; else ``ckpt`` itself), then
     ``ckpt`` against it when they differ, then each variant of ``ckpt``."""
@@ -155,14 +152,14 @@ def _run(recipe: Recipe, ckpt: Checkpoint, baseline: Checkpoint | None, tasks: l
     return report
 
 
-def _source_row(progress: Progress, recipe: Recipe, name: str, ckpt: Checkpoint, logprobs, reference, windows: torch.Tensor,
+def _source_row(progress: Progress, recipe: Recipe, name: str, ckpt: Source, logprobs, reference, windows: torch.Tensor,
                 tokenizer, tasks: list[Task | LMEvalTask]) -> VariantRow:
     """The row of a checkpoint as it is: the original, or the model beside its reference."""
     start = time.perf_counter()
     scores = _tracked(progress, f"{name}: evaluate", len(windows), lambda tick: score(logprobs, windows, reference, on_window=tick))
     answers = _tasks(progress, name, logprobs, tokenizer, ckpt, tasks, engine_source(ckpt.path, None, []))
-    bits = _bits_of_source(ckpt)
-    return VariantRow(name, f"source ({_dtype_label(ckpt)})", bits, _size_mb(ckpt, bits), scores,
+    bits = ckpt.bits_per_weight
+    return VariantRow(name, f"source ({ckpt.label})", bits, _size_mb(ckpt, bits), scores,
                       seconds=time.perf_counter() - start, tasks=answers, speed=_speed(progress, recipe, ckpt, None, [], tokenizer))
 
 
@@ -231,19 +228,6 @@ def _describe_weights(variant: Variant) -> str:
     if a is not None:
         label += f" {a.spec.label}" + (f" smoothquant-{a.smoothquant:g}" if a.smoothquant is not None else "")
     return label
-
-
-def _bits_of_source(ckpt: Checkpoint) -> float:
-    if isinstance(ckpt, QuantizedCheckpoint):
-        return ckpt.bits_per_weight
-    total = sum(_numel(ckpt.shape(n)) for n in ckpt.names)
-    return sum(_numel(ckpt.shape(n)) * ckpt.dtype(n).itemsize * 8 for n in ckpt.names) / total
-
-
-def _dtype_label(ckpt: Checkpoint) -> str:
-    if isinstance(ckpt, QuantizedCheckpoint):
-        return ckpt.label
-    return "/".join(sorted({str(ckpt.dtype(n)).removeprefix("torch.") for n in ckpt.names}))
 
 
 def _size_mb(ckpt: HFCheckpoint, bits_per_weight: float) -> float:

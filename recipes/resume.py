@@ -142,8 +142,10 @@ def _strings(value) -> list[str]:
     return [s for v in value for s in _strings(v)] if isinstance(value, list) else []
 
 
-def _folder_stat(folder: Path) -> dict[str, list[int]]:
-    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(folder.iterdir()) if p.is_file()}
+def _folder_stat(source: Path) -> dict[str, list[int]]:
+    """Size and time of the source's files: a model folder's, or a GGUF file's own."""
+    files = [source] if source.is_file() else sorted(p for p in source.iterdir() if p.is_file())
+    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
 
 
 def _sha256(path: Path) -> str:

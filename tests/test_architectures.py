@@ -77,6 +77,25 @@ def test_llama_cpp_computes_what_transformers_computes(zoo, tmp_path, name):
     assert 0.5 < entropy < 8.0  # neither one certain token nor near uniform: the check has teeth
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_gguf_file_of_every_architecture_is_a_source_that_gives_the_model_back(zoo, tmp_path, name):
+    """Our F32 file (llama.cpp's converter's, test above) read as a source: the config made of its
+    metadata is the model's (Gemma's attention scale and layer pattern, Llama 3's rope recovered
+    from rope_freqs), every tensor the original's (Gemma's norms within their float32 offset), and
+    converting it to F32 again writes the same file."""
+    from formats.sources import open_checkpoint
+
+    original = HFCheckpoint.open(zoo[name])
+    f32 = build_variant(original, gguf_variant("F32"), tmp_path, keep_weights=False, gguf_path=tmp_path / "a.gguf").files[0]
+    source = open_checkpoint(f32)
+    assert source.arch == original.arch
+    assert sorted(source.names) == sorted(original.names)
+    for n in original.names:
+        torch.testing.assert_close(source.tensor(n), original.tensor(n), rtol=0, atol=6e-8 if source.arch.norm_offset else 0)
+    again = build_variant(source, gguf_variant("F32"), tmp_path, keep_weights=False, gguf_path=tmp_path / "b.gguf").files[0]
+    assert again.read_bytes() == f32.read_bytes()
+
+
 def test_the_gemma_conventions_matter_to_the_random_models(zoo, tmp_path):
     """Each Gemma 2 convention llama.cpp takes from metadata or knows by itself (soft-caps, the
     sliding windows) changes these models' outputs by far more than the parity tolerance."""

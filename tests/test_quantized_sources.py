@@ -13,7 +13,8 @@ import torch
 
 from conftest import BUNDLED, EVAL_TEXT, TINY
 from formats.hf import HFCheckpoint, load_tokenizer
-from formats.quantized_checkpoint import QuantizedCheckpoint, open_checkpoint
+from formats.quantized_checkpoint import QuantizedCheckpoint
+from formats.sources import open_checkpoint
 from recipes.schema import Variant
 from recipes.variants import build_variant, gguf_variant
 

@@ -1,11 +1,13 @@
 """Every tensor encoded as llama.cpp's quantizer would for a GGUF file type (quant/ggml.py), in
 the file's tensor order when the variant writes a GGUF file; the importance matrix, where asked
 for, comes from the pipeline's pass over the calibration text. From a quantized source, an int4
-weight that becomes Q4_K keeps its own grid (quant/ggml/regrid.py) rather than being rounded again."""
+weight that becomes Q4_K keeps its own grid (quant/ggml/regrid.py) rather than being rounded again;
+from a GGUF file, a tensor whose type does not change keeps its bytes."""
 
 from __future__ import annotations
 
 from formats.gguf import architecture_of, gguf_name, gguf_order
+from formats.gguf_source import GGUFCheckpoint
 from formats.quantized_checkpoint import QuantizedCheckpoint
 from quant.ggml import encode, tensor_types
 from quant.ggml.regrid import q4_k_from_int4
@@ -33,6 +35,8 @@ class GGUF(WeightMethod):
         return gguf_plan(ckpt, variant, variant.weights.type, imatrix)
 
     def quantize(self, ckpt, variant, plan, name, tensor, imatrix):
+        if isinstance(ckpt, GGUFCheckpoint) and ckpt.ggml_type(name) == plan.ggml_types[name]:
+            return ckpt.stored(name)
         if plan.ggml_types[name] == "Q4_K" and isinstance(ckpt, QuantizedCheckpoint) and name in ckpt.quantized:
             raw = q4_k_from_int4(ckpt.payload(name))
             if raw is not None:

@@ -1,20 +1,20 @@
-"""Which checkpoint a model path names: a float model folder, a quantized checkpoint, or a recipe's
-variant folder (its compressed-tensors export, else its GPTQ export, else its dense one)."""
+"""Which checkpoint a model path names: a float model folder, a quantized checkpoint, a GGUF file
+(run on its dequantized weights), or a recipe's variant folder (its compressed-tensors export, else
+its GPTQ export, else its dense one)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from formats.hf import HFCheckpoint
-from formats.quantized_checkpoint import QuantizedCheckpoint, open_checkpoint
+from formats.sources import Source, open_checkpoint
 from quant.types import InputError
 
 EXPORTS = ("compressed-tensors", "gptq", "safetensors")  # what a recipe's variant folder holds, in the order taken
 
 
-def open_model(path: Path) -> HFCheckpoint | QuantizedCheckpoint:
-    """A float model folder, a quantized checkpoint folder, or a recipe's variant folder (its
-    compressed-tensors export, else its GPTQ export, else its dense one)."""
+def open_model(path: Path) -> Source:
+    """A float model folder, a quantized checkpoint folder, a GGUF file, or a recipe's variant
+    folder (its compressed-tensors export, else its GPTQ export, else its dense one)."""
     if not (path / "config.json").is_file() and path.is_dir():
         export = next((path / e for e in EXPORTS if (path / e / "config.json").is_file()), None)
         if export is None:
