@@ -24,13 +24,15 @@ $(VENV)/.test: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.core
 	$(BIN)/quantize recipes/demo.yaml
 
-# GPTQModel, the loader the GPTQ export tests read our files back with, pins numpy, and vLLM's CPU
-# build, which the interop test serves our exports with, pins transformers: each lives in its own
-# venv (.anchors/NAME; quick when it is already there). Debian's chromium is the browser the report
+# GPTQModel, the loader the GPTQ export tests read our files back with, pins numpy; vLLM's CPU
+# build, which the interop test serves our exports with, and llm-compressor, whose AWQ checkpoint
+# is a source the quantized-source tests convert, pin transformers: each lives in its own venv
+# (.anchors/NAME; quick when it is already there). Debian's chromium is the browser the report
 # page is checked in (tests/test_report_browser.py; apt-get, only when /usr/bin/chromium is missing).
 test: $(VENV)/.test
 	bash bench/anchors/setup.sh gptqmodel
 	bash bench/anchors/setup.sh vllm
+	bash bench/anchors/setup.sh llmcompressor
 	bash bench/anchors/setup.sh chromium
 	$(BIN)/python -m pytest tests
 
