@@ -20,22 +20,8 @@ def importance_matrix(
 
     Sums accumulate in float64 so that thousands of windows add up without drift.
     """
-    sums: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
-
-    def collector(name: str):
-        def hook(module: torch.nn.Module, args: tuple) -> None:
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64)
-            sums[name] = sums.get(name, 0) + (x * x).sum(dim=0)
-            counts[name] = counts.get(name, 0) + x.shape[0]
-
-        return hook
-
-    handles = [
-        module.register_forward_pre_hook(collector(f"{name}.weight"))
-        for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear)
-    ]
+    squares = _Squares()
+    handles = squares.watch(model)
     try:
         with torch.inference_mode():
             for i in range(windows.shape[0]):
@@ -45,4 +31,51 @@ def importance_matrix(
     finally:
         for handle in handles:
             handle.remove()
-    return {name: (total / counts[name]).to(torch.float32).numpy() for name, total in sums.items()}
+    return squares.means()
+
+
+def streamed_importance_matrix(ckpt, windows: torch.Tensor, on_layer: Callable[[], None] | None = None) -> dict[str, np.ndarray]:
+    """The decoder Linears' importance matrix as the layers stream from ``ckpt`` (calib/streaming.py),
+    one layer in memory: a model larger than RAM gets one too. The output head is not walked
+    (``llama-imatrix`` leaves it out by default)."""
+    from calib.layerwise import decoder_layers, run_layer
+    from calib.streaming import skeleton, walk_layers
+
+    squares = _Squares()
+    model = skeleton(ckpt)
+    last = len(decoder_layers(model)) - 1
+    handles: list = []
+    for index, step in enumerate(walk_layers(ckpt, model, windows)):
+        for handle in handles:  # the previous layer has run: its inputs are counted
+            handle.remove()
+        handles = squares.watch(step.layer, step.prefix)  # counted as the walk runs the layer for the next one
+        if index == last:  # which the walk does not do for its last
+            run_layer(step.layer, step.inputs)
+        if on_layer:
+            on_layer()
+    for handle in handles:
+        handle.remove()
+    return squares.means()
+
+
+class _Squares:
+    """Per-column sums of squared inputs of Linear modules, in float64, and the tokens counted."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = {}
+
+    def watch(self, module: torch.nn.Module, prefix: str = "") -> list:
+        return [m.register_forward_pre_hook(self._collector(f"{prefix}{name}.weight"))
+                for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)]
+
+    def _collector(self, name: str):
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64)
+            self.sums[name] = self.sums.get(name, 0) + (x * x).sum(dim=0)
+            self.counts[name] = self.counts.get(name, 0) + x.shape[0]
+
+        return hook
+
+    def means(self) -> dict[str, np.ndarray]:
+        return {name: (total / self.counts[name]).to(torch.float32).cpu().numpy() for name, total in self.sums.items()}

@@ -112,9 +112,11 @@ def float_logits(ckpt: HFCheckpoint, windows: torch.Tensor, chunk: int = 4) -> I
     _load(ckpt, norm, _name_of(model, norm), device)
     head_name = _name_of(model, model.get_input_embeddings()) if ckpt.arch.tied_embeddings else _name_of(model, head)
     weight = ckpt.tensor(head_name + "weight").to(device=device, dtype=torch.float32)
+    cap = ckpt.arch.final_softcap
     with torch.inference_mode():
         for i in range(0, len(hidden), chunk):
-            yield norm(hidden[i : i + chunk]) @ weight.T
+            logits = norm(hidden[i : i + chunk]) @ weight.T
+            yield logits if cap is None else torch.tanh(logits / cap) * cap  # Gemma 2's final soft-cap
 
 
 @functools.cache

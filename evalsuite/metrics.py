@@ -13,6 +13,9 @@ from typing import Callable
 
 import torch
 
+from calib.distributions import TopK
+from evalsuite.reference import ReferenceStore
+
 
 @dataclass
 class Scores:
@@ -28,7 +31,10 @@ class Scores:
         return asdict(self)
 
 
-class _Accumulator:
+class Accumulator:
+    """Scores summed window by window, against the original's full log-probabilities or its
+    ``TopK`` (the streamed evaluation's reference store)."""
+
     def __init__(self) -> None:
         self.nll = 0.0
         self.kld = 0.0
@@ -36,10 +42,13 @@ class _Accumulator:
         self.count = 0
         self.per_window: dict[str, list[float]] = {"nll": [], "kld": [], "agree": [], "tokens": []}
 
-    def add(self, logp: torch.Tensor, targets: torch.Tensor, ref_logp: torch.Tensor | None) -> None:
+    def add(self, logp: torch.Tensor, targets: torch.Tensor, ref_logp: torch.Tensor | TopK | None) -> None:
         nll = -logp.gather(-1, targets.unsqueeze(-1)).sum().item()
         kld = agree = 0.0
-        if ref_logp is not None:
+        if isinstance(ref_logp, TopK):
+            kld = ref_logp.kl(logp).sum().item()
+            agree = (ref_logp.top1() == logp.argmax(-1)).sum().item()
+        elif ref_logp is not None:
             kld = (ref_logp.exp() * (ref_logp - logp)).sum().item()
             agree = (ref_logp.argmax(-1) == logp.argmax(-1)).sum().item()
         self.nll += nll
@@ -81,20 +90,24 @@ def causal_lm_logprobs(model: torch.nn.Module) -> LogProbs:
 def score(
     variant: LogProbs,
     windows: torch.Tensor,
-    reference: LogProbs | None = None,
+    reference: LogProbs | ReferenceStore | None = None,
     on_window: Callable[[], None] | None = None,
 ) -> Scores:
     """Score ``variant`` on each window; with ``reference``, also compare it token by token.
 
-    The reference is recomputed per window rather than cached: its full distribution over the
-    vocabulary for every token of the text would not fit in memory for real models.
+    The reference is the original's distributions kept on disk (a recipe's store), or a model
+    recomputed per window: its full distribution over the vocabulary for every token of the text
+    would not fit in memory for real models.
     """
-    acc = _Accumulator()
+    acc = Accumulator()
     for i in range(windows.shape[0]):
         window = windows[i : i + 1]
         targets = window[:, 1:]
-        acc.add(variant(window), targets, reference(window) if reference else None)
+        logp = variant(window)
+        if isinstance(reference, ReferenceStore):
+            acc.add(logp[0], targets[0], reference.window(i).to(logp.device))
+        else:
+            acc.add(logp, targets, reference(window) if reference else None)
         if on_window:
             on_window()
     return acc.scores(compare=reference is not None)
-

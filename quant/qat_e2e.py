@@ -6,9 +6,8 @@ fits add up to at the output.
 
 The teacher is the float model's distribution, computed once while its layers stream from the
 checkpoint (``calib.streaming.float_logits``) and kept per position as its ``TOP_K`` largest
-log-probabilities plus the probability of all the rest, as llama.cpp's KL-divergence base file
-keeps its own. The loss is the KL divergence over those ``TOP_K + 1`` outcomes, which never
-exceeds the full one and equals it where the teacher's tail is flat.
+log-probabilities plus the probability of all the rest (``calib.distributions.TopK``). The loss is
+the KL divergence over those ``TOP_K + 1`` outcomes, which never exceeds the full one.
 
 The student holds the codes as uint8 and dequantizes one decoder layer's weights at a time: each
 layer is recomputed in the backward pass (activation checkpointing), so the phase holds the codes,
@@ -23,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from calib.distributions import TopK
 from calib.streaming import float_logits, skeleton, working_device
 from formats.hf import HFCheckpoint
 from quant.qat_checkpoint import QATCheckpoint
@@ -84,7 +84,7 @@ def train_end_to_end(ckpt: HFCheckpoint, windows: torch.Tensor, layers: list[Lay
             chosen, order = order[:batch], order[batch:]
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 logits = model(input_ids=ids[chosen], use_cache=False).logits
-            loss = _kl(logits.float(), *(t[chosen].to(device) for t in teacher)) / accumulate
+            loss = teacher[chosen].to(device).kl(torch.log_softmax(logits.float(), -1)).mean() / accumulate
             loss.backward()
             total += loss.item()
         optimizer.step()
@@ -97,31 +97,9 @@ def train_end_to_end(ckpt: HFCheckpoint, windows: torch.Tensor, layers: list[Lay
 
 
 @torch.no_grad()
-def _teacher(ckpt: HFCheckpoint, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per position: the float model's top-k token ids and log-probabilities, and the log of the
-    probability left to the other tokens."""
-    ids, logps, rests = [], [], []
-    for logits in float_logits(ckpt, windows):
-        logp = torch.log_softmax(logits.float(), -1)
-        top = logp.topk(min(TOP_K, logp.shape[-1]), -1)
-        ids.append(top.indices.to(torch.int32).cpu())
-        logps.append(top.values.cpu())
-        rests.append(_log_rest(top.values).cpu())
-    return torch.cat(ids), torch.cat(logps), torch.cat(rests)
-
-
-def _log_rest(top_logp: torch.Tensor) -> torch.Tensor:
-    """log(1 - Σ p) over the top-k, kept finite where the top-k hold all the mass."""
-    return torch.log1p(-torch.logsumexp(top_logp, -1).exp().clamp(max=1 - 1e-6))
-
-
-def _kl(logits: torch.Tensor, ids: torch.Tensor, teacher: torch.Tensor, teacher_rest: torch.Tensor) -> torch.Tensor:
-    """Mean over positions of KL(teacher ‖ student) on the teacher's top-k tokens and the rest."""
-    logq = torch.log_softmax(logits, -1).gather(-1, ids.long())
-    p = teacher.exp()
-    rest = teacher_rest.exp()
-    kl = (p * (teacher - logq)).sum(-1) + rest * (teacher_rest - _log_rest(logq))
-    return kl.mean()
+def _teacher(ckpt: HFCheckpoint, windows: torch.Tensor) -> TopK:
+    """Per position: the float model's top-k tokens and the probability left to the others."""
+    return TopK.cat([TopK.of(torch.log_softmax(logits.float(), -1), TOP_K).to("cpu") for logits in float_logits(ckpt, windows)])
 
 
 def _is_norm(name: str) -> bool:

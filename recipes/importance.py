@@ -9,32 +9,29 @@ from typing import Callable
 import torch
 from rich.progress import Progress
 
-from calib.imatrix import importance_matrix
+from calib.imatrix import streamed_importance_matrix
 from calib.text import token_windows
 from formats.gguf import gguf_name
-from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
+from formats.hf import HFCheckpoint, load_tokenizer
 from formats.imatrix import read_imatrix
 from quant.types import InputError
 from recipes.methods import Imatrix
 
 
-def model_imatrix(model: torch.nn.Module, ckpt: HFCheckpoint, windows: torch.Tensor,
-                  on_window: Callable[[], None] | None = None) -> Imatrix:
-    """The importance matrix keyed by checkpoint tensor names.
+def model_imatrix(ckpt: HFCheckpoint, windows: torch.Tensor, on_layer: Callable[[], None] | None = None) -> Imatrix:
+    """The importance matrix keyed by checkpoint tensor names, its layers streamed from ``ckpt``.
 
     The output head is left out, as ``llama-imatrix`` does by default, so a file quantized with our
     matrix and one quantized with llama.cpp's treat the head alike.
     """
-    found = importance_matrix(model, windows, on_window)
-    found.pop("lm_head.weight", None)
-    return found
+    return streamed_importance_matrix(ckpt, windows, on_layer)
 
 
 def compute_imatrix(ckpt: HFCheckpoint, text: Path, progress: Progress, max_windows: int = 128) -> tuple[Imatrix, int]:
     """An importance matrix from up to ``max_windows`` 512-token windows of a text, and its token count."""
     windows = token_windows(load_tokenizer(ckpt), text, 512, max_windows)
-    task = progress.add_task("importance matrix", total=len(windows))
-    means = model_imatrix(load_causal_lm(ckpt), ckpt, windows, lambda: progress.advance(task))
+    task = progress.add_task("importance matrix", total=ckpt.arch.layers)
+    means = model_imatrix(ckpt, windows, lambda: progress.advance(task))
     progress.remove_task(task)
     return means, windows.numel()
 

@@ -2,7 +2,9 @@
 
 Per variant, tensors stream from the source checkpoint one at a time through the quantizer into
 every export writer and into the variant's in-memory weights, so the files and the evaluated model
-are the same numbers by construction. Everything a user could get wrong is checked before the
+are the same numbers by construction. The original is scored as its layers stream (evalsuite/
+streamed.py) and its distributions are kept on disk for the variants' KLD (evalsuite/reference.py).
+Everything a user could get wrong is checked before the
 first tensor is touched. A rerun into the same output folder keeps every variant whose inputs are
 unchanged since it last finished (recipes/resume.py) and redoes the rest.
 """
@@ -21,9 +23,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from calib.text import sample_windows, token_windows
 from evalsuite.metrics import causal_lm_logprobs, score
+from evalsuite.reference import ReferenceStore
 from evalsuite.report import Report, VariantRow, compare_with_original, write_report
 from evalsuite.recommend import Budget, recommend
+from evalsuite.streamed import streamed_scores
 from evalsuite.tasks import Task, load_task, run_task
+from formats.architecture import transformers_config
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
 from formats.outputs import Outputs, check_output_path, folder_lock
 from formats.sources import Source, open_checkpoint
@@ -33,7 +38,7 @@ from quant.types import InputError
 from recipes import lm_eval_tasks
 from recipes.importance import model_imatrix
 from recipes.lm_eval_tasks import LMEvalTask
-from recipes.resume import ORIGINAL, RECORD, SOURCE, Keys, finished, path_size, record, training_checkpoint
+from recipes.resume import ORIGINAL, RECORD, REFERENCE, SOURCE, Keys, finished, path_size, record, training_checkpoint
 from recipes.methods import method_of
 from recipes.schema import SOURCE_ROW, Calibration, Recipe, Variant, check_against_model
 from recipes.speed import engine_source
@@ -84,22 +89,20 @@ def _run(recipe: Recipe, ckpt: Source, baseline: Source | None, tasks: list[Task
     calib_windows = _calibration_windows(tokenizer, recipe.calibration) if needs_calibration else None
 
     with progress_bar(console) as progress:
-        original = None if todo else finished(out_dir / ORIGINAL, keys.original(), out_dir)
-        source_row = None if todo or baseline is None else finished(out_dir / SOURCE, keys.original(), out_dir)
-        if original is None or (baseline is not None and source_row is None):
-            loading = progress.add_task("original: load", total=None)
-            reference_model = load_causal_lm(original_ckpt)
-            source_model = reference_model if baseline is None else load_causal_lm(ckpt)
-            progress.remove_task(loading)
-            imatrix = None
-            if needs_imatrix:
-                imatrix = _tracked(progress, "importance matrix", len(calib_windows),
-                                   lambda tick: model_imatrix(source_model, ckpt, calib_windows, tick))
-            reference = causal_lm_logprobs(reference_model)
-            original = _source_row(progress, recipe, "original", original_ckpt, reference, None, windows, tokenizer, tasks)
+        original = finished(out_dir / ORIGINAL, keys.original(), out_dir)
+        source_row = None if baseline is None else finished(out_dir / SOURCE, keys.original(), out_dir)
+        store = ReferenceStore.find(out_dir / REFERENCE, windows, keys.original()) if todo else None
+        if original is None or (baseline is not None and source_row is None) or (todo and store is None):
+            original = _source_row(progress, recipe, "original", original_ckpt, None, windows, tokenizer, tasks,
+                                   keep=out_dir / REFERENCE, key=keys.original())
+            store = ReferenceStore(out_dir / REFERENCE, windows)
             if baseline is not None:
-                source_row = _source_row(progress, recipe, SOURCE_ROW, ckpt, causal_lm_logprobs(source_model), reference,
-                                         windows, tokenizer, tasks)
+                source_row = _source_row(progress, recipe, SOURCE_ROW, ckpt, store, windows, tokenizer, tasks)
+        imatrix = None
+        if needs_imatrix:
+            imatrix = _tracked(progress, "importance matrix", ckpt.arch.layers,
+                               lambda tick: model_imatrix(ckpt, calib_windows, tick))
+        config = transformers_config(ckpt.config, str(ckpt.path))
         rows = [original] + ([source_row] if source_row is not None else [])
         for variant in recipe.variants:
             if kept[variant.name] is not None:
@@ -115,13 +118,13 @@ def _run(recipe: Recipe, ckpt: Source, baseline: Source | None, tasks: list[Task
             with Outputs() as outputs:  # the variant's files get their names once it is scored
                 built = build_variant(ckpt, variant, out_dir, progress, imatrix=uses, calibration=calib_windows,
                                       outputs=outputs, checkpoint=checkpoint)
-                model = model_from_state(source_model.config, built.state)
+                model = model_from_state(config, built.state)
                 bits, files, statistics = built.bits_per_weight, built.files, built.input_statistics
                 errors, measure = built.linear_errors, built.error_measure
                 del built
                 with _activations(model, ckpt, variant), _kv_cache(model, ckpt, variant):
                     scores = _tracked(progress, f"{variant.name}: evaluate", len(windows),
-                                      lambda tick: score(causal_lm_logprobs(model), windows, reference, on_window=tick))
+                                      lambda tick: score(causal_lm_logprobs(model), windows, store, on_window=tick))
                     engine = engine_source(ckpt.path, variant, files)
                     if not isinstance(engine, str) and engine[0] != ckpt.path:  # its export, still staged
                         engine = (outputs.staged(engine[0]), engine[1])
@@ -152,15 +155,30 @@ def _run(recipe: Recipe, ckpt: Source, baseline: Source | None, tasks: list[Task
     return report
 
 
-def _source_row(progress: Progress, recipe: Recipe, name: str, ckpt: Source, logprobs, reference, windows: torch.Tensor,
-                tokenizer, tasks: list[Task | LMEvalTask]) -> VariantRow:
-    """The row of a checkpoint as it is: the original, or the model beside its reference."""
+def _source_row(progress: Progress, recipe: Recipe, name: str, ckpt: Source, reference: ReferenceStore | None,
+                windows: torch.Tensor, tokenizer, tasks: list[Task | LMEvalTask], keep: Path | None = None,
+                key: str = "") -> VariantRow:
+    """The row of a checkpoint as it is: the original, its distributions kept in ``keep``, or the
+    model beside its reference. Scored as its layers stream; loaded whole only for the tasks."""
     start = time.perf_counter()
-    scores = _tracked(progress, f"{name}: evaluate", len(windows), lambda tick: score(logprobs, windows, reference, on_window=tick))
-    answers = _tasks(progress, name, logprobs, tokenizer, ckpt, tasks, engine_source(ckpt.path, None, []))
+    scores = _tracked(progress, f"{name}: evaluate", len(windows),
+                      lambda tick: streamed_scores(ckpt, windows, reference, keep=keep, key=key, on_window=tick))
+    answers = {}
+    if tasks:
+        model = _load(progress, name, ckpt)
+        answers = _tasks(progress, name, causal_lm_logprobs(model), tokenizer, ckpt, tasks, engine_source(ckpt.path, None, []))
+        del model
     bits = ckpt.bits_per_weight
     return VariantRow(name, f"source ({ckpt.label})", bits, _size_mb(ckpt, bits), scores,
                       seconds=time.perf_counter() - start, tasks=answers, speed=_speed(progress, recipe, ckpt, None, [], tokenizer))
+
+
+def _load(progress: Progress, who: str, ckpt: Source) -> torch.nn.Module:
+    loading = progress.add_task(f"{who}: load", total=None)
+    try:
+        return load_causal_lm(ckpt)
+    finally:
+        progress.remove_task(loading)
 
 
 def _tasks(progress: Progress, who: str, logprobs, tokenizer, ckpt: HFCheckpoint, tasks: list[Task | LMEvalTask],

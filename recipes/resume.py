@@ -33,6 +33,7 @@ from recipes.schema import Recipe, TaskSpec, Variant
 RECORD = ".done.json"
 ORIGINAL = ".original.json"
 SOURCE = ".source.json"  # the model's own row, when a reference is the baseline
+REFERENCE = ".reference"  # the original's distributions on the evaluation windows (evalsuite/reference.py)
 
 
 class Keys:

@@ -118,6 +118,40 @@ def test_the_gemma_conventions_matter_to_the_random_models(zoo, tmp_path):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_the_streamed_layer_walk_computes_what_transformers_computes(zoo, name):
+    """The logits the streamed evaluation scores and QAT's end-to-end phase distils from, one
+    decoder layer in memory at a time: Gemma's sliding layers (windows longer than theirs) and
+    Gemma 2's final soft-cap included."""
+    from calib.streaming import float_logits
+    from formats.hf import load_causal_lm
+
+    ckpt = HFCheckpoint.open(zoo[name])
+    windows = torch.randint(0, ckpt.arch.vocab, (3, 48), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expected = load_causal_lm(ckpt)(input_ids=windows).logits
+    torch.testing.assert_close(torch.cat(list(float_logits(ckpt, windows, chunk=2))), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_streamed_importance_matrix_is_the_whole_models(zoo, name):
+    """One layer in memory, the same per-column mean squares as hooks on the whole model give,
+    under the checkpoint's tensor names (Phi-3's fused projections too), the head left out."""
+    import numpy as np
+
+    from calib.imatrix import importance_matrix, streamed_importance_matrix
+    from formats.hf import load_causal_lm
+
+    ckpt = HFCheckpoint.open(zoo[name])
+    windows = torch.randint(0, ckpt.arch.vocab, (3, 48), generator=torch.Generator().manual_seed(1))
+    whole = importance_matrix(load_causal_lm(ckpt), windows)
+    whole.pop("lm_head.weight")
+    streamed = streamed_importance_matrix(ckpt, windows)
+    assert sorted(streamed) == sorted(whole) and set(streamed) <= set(ckpt.names)
+    for key, values in whole.items():
+        np.testing.assert_allclose(streamed[key], values, rtol=1e-4, atol=1e-7, err_msg=key)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_engine_greedy_tokens_equal_transformers_generate(zoo, name):
     prompts = prompts_from_text()
     reference = transformers_greedy(zoo[name], prompts)

@@ -14,7 +14,7 @@ from gguf import GGUFReader  # noqa: E402
 
 from conftest import BUNDLED, TINY  # noqa: E402
 from formats.gguf import gguf_name  # noqa: E402
-from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer  # noqa: E402
+from formats.hf import HFCheckpoint, load_tokenizer  # noqa: E402
 from calib.text import token_windows  # noqa: E402
 from quant.ggml import FILE_TYPES  # noqa: E402
 from recipes.importance import model_imatrix  # noqa: E402
@@ -42,7 +42,7 @@ def model(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     f32 = build_variant(ckpt, gguf_variant("F32"), folder, keep_weights=False, gguf_path=folder / "f32.gguf").files[0]
     windows = token_windows(load_tokenizer(ckpt), BUNDLED / "calib.txt", 512, 8)
-    imatrix = model_imatrix(load_causal_lm(ckpt), ckpt, windows)
+    imatrix = model_imatrix(ckpt, windows)
     return ckpt, folder, f32, imatrix
 
 

@@ -20,12 +20,12 @@ TINY_ARCH = HFCheckpoint.open(TINY).arch
 @pytest.fixture(scope="module")
 def tiny_imatrix(tmp_path_factory):
     from calib.text import token_windows
-    from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
+    from formats.hf import HFCheckpoint, load_tokenizer
     from recipes.importance import model_imatrix
 
     ckpt = HFCheckpoint.open(TINY)
     windows = token_windows(load_tokenizer(ckpt), BUNDLED / "calib.txt", 512, 4)
-    return model_imatrix(load_causal_lm(ckpt), ckpt, windows), windows.numel()
+    return model_imatrix(ckpt, windows), windows.numel()
 
 
 def test_every_decoder_linear_gets_a_positive_column_profile(tiny_imatrix):

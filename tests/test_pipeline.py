@@ -176,7 +176,8 @@ def test_targets_and_ignore_choose_the_modules_rtn_and_awq_quantize(tmp_path):
 
 def test_rerun_keeps_finished_variants_and_redoes_what_changed(tmp_path, monkeypatch):
     """A rerun into the same folder rebuilds only variants whose recipe entry changed or whose
-    files are gone; with nothing to do it loads no model at all."""
+    files are gone, against the original's distributions kept from the first run; with nothing to
+    do it loads no model at all."""
     from rich.console import Console
 
     import recipes.pipeline as pipeline
@@ -198,6 +199,14 @@ def test_rerun_keeps_finished_variants_and_redoes_what_changed(tmp_path, monkeyp
         return real_build(ckpt, variant, *args, **kwargs)
 
     monkeypatch.setattr(pipeline, "build_variant", counting_build)
+    originals = []  # the original's scoring, which writes its distributions for the variants
+    real_scores = pipeline.streamed_scores
+
+    def counting_scores(ckpt, windows, reference=None, keep=None, **kwargs):
+        originals.extend([keep] if keep is not None else [])
+        return real_scores(ckpt, windows, reference, keep, **kwargs)
+
+    monkeypatch.setattr(pipeline, "streamed_scores", counting_scores)
 
     def run(changes: dict | None = None) -> dict:
         r = dict(recipe, variants=[dict(v, **(changes or {}).get(v["name"], {})) for v in variants])
@@ -216,6 +225,7 @@ def test_rerun_keeps_finished_variants_and_redoes_what_changed(tmp_path, monkeyp
     changed = run({"b": {"weights": {"method": "rtn", "bits": 4, "granularity": "group", "group_size": 128}}})
     assert built == ["a", "b", "b"] and changed["b"].scores != first["b"].scores
     assert changed["a"].scores == first["a"].scores
+    assert originals == [out / ".reference"] and changed["original"].scores == first["original"].scores
     # so does a missing or damaged export
     shutil.rmtree(out / "a" / "safetensors")
     run({"b": {"weights": {"method": "rtn", "bits": 4, "granularity": "group", "group_size": 128}}})
@@ -225,7 +235,7 @@ def test_rerun_keeps_finished_variants_and_redoes_what_changed(tmp_path, monkeyp
 
     monkeypatch.setattr(resume, "_source_digest", lambda: "another version")
     run({"b": {"weights": {"method": "rtn", "bits": 4, "granularity": "group", "group_size": 128}}})
-    assert built == ["a", "b", "b", "a", "a", "b"]
+    assert built == ["a", "b", "b", "a", "a", "b"] and len(originals) == 2  # the original's store too
 
 
 def test_html_report_holds_the_table_and_a_point_per_variant(small_run):

@@ -117,11 +117,10 @@ def q4_k_m_against_requantized(source, dense, tmp_path) -> dict[str, float]:
     converted from the quantized source and from ``dense``, its dequantized weights as a float
     checkpoint (the importance matrix of the dequantized source for both)."""
     from calib.text import token_windows
-    from formats.hf import load_causal_lm
     from recipes.importance import model_imatrix
 
     tokenizer = load_tokenizer(source)
-    imatrix = model_imatrix(load_causal_lm(source), source, token_windows(tokenizer, BUNDLED / "calib.txt", 512, 16))
+    imatrix = model_imatrix(source, token_windows(tokenizer, BUNDLED / "calib.txt", 512, 16))
     tokens = tokenizer(EVAL_TEXT.read_text(), add_special_tokens=False)["input_ids"][: 8 * 256]
     f32 = build_variant(source, gguf_variant("F32"), tmp_path, keep_weights=False, gguf_path=tmp_path / "f32.gguf").files[0]
     q4, requantized = (build_variant(ckpt, gguf_variant("Q4_K_M", True), tmp_path, keep_weights=False, imatrix=imatrix,
@@ -283,14 +282,13 @@ def test_a_bitsandbytes_source_converts_to_gguf_within_one_percent_of_its_perple
     """nf4's levels are no affine grid: its weights are quantized again, with the importance
     matrix of the dequantized source (without one: +0.82% on the bundled model)."""
     from calib.text import token_windows
-    from formats.hf import load_causal_lm
     from recipes.importance import model_imatrix
 
     out, _ = bnb_sources
     source = open_checkpoint(out / name)
     tokenizer = load_tokenizer(source)
     tokens = tokenizer(EVAL_TEXT.read_text(), add_special_tokens=False)["input_ids"][: 8 * 256]
-    imatrix = model_imatrix(load_causal_lm(source), source, token_windows(tokenizer, BUNDLED / "calib.txt", 512, 16))
+    imatrix = model_imatrix(source, token_windows(tokenizer, BUNDLED / "calib.txt", 512, 16))
     ppl = {}
     for file_type in ("F32", target):
         path = build_variant(source, gguf_variant(file_type, file_type == "Q4_K_M"), tmp_path, keep_weights=False,
