@@ -48,12 +48,13 @@ class TopK:
     def top1(self) -> torch.Tensor:
         return self.ids[..., 0].long()
 
-    def tensors(self, prefix: str = "") -> dict[str, torch.Tensor]:
-        return {f"{prefix}ids": self.ids, f"{prefix}logp": self.logp, f"{prefix}rest": self.rest}
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """As a safetensors file holds it."""
+        return {"ids": self.ids, "logp": self.logp, "rest": self.rest}
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str = "") -> "TopK":
-        return cls(tensors[f"{prefix}ids"], tensors[f"{prefix}logp"], tensors[f"{prefix}rest"])
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "TopK":
+        return cls(tensors["ids"], tensors["logp"], tensors["rest"])
 
 
 def log_rest(top_logp: torch.Tensor) -> torch.Tensor:

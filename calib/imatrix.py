@@ -12,32 +12,15 @@ from typing import Callable
 import numpy as np
 import torch
 
-
-def importance_matrix(
-    model: torch.nn.Module, windows: torch.Tensor, on_window: Callable[[], None] | None = None
-) -> dict[str, np.ndarray]:
-    """Mean squared input activation per column, keyed by the Linear weight's name (``...q_proj.weight``).
-
-    Sums accumulate in float64 so that thousands of windows add up without drift.
-    """
-    squares = _Squares()
-    handles = squares.watch(model)
-    try:
-        with torch.inference_mode():
-            for i in range(windows.shape[0]):
-                model(input_ids=windows[i : i + 1])
-                if on_window:
-                    on_window()
-    finally:
-        for handle in handles:
-            handle.remove()
-    return squares.means()
+from formats.hf import HFCheckpoint
 
 
-def streamed_importance_matrix(ckpt, windows: torch.Tensor, on_layer: Callable[[], None] | None = None) -> dict[str, np.ndarray]:
-    """The decoder Linears' importance matrix as the layers stream from ``ckpt`` (calib/streaming.py),
-    one layer in memory: a model larger than RAM gets one too. The output head is not walked
-    (``llama-imatrix`` leaves it out by default)."""
+def streamed_importance_matrix(ckpt: HFCheckpoint, windows: torch.Tensor, on_layer: Callable[[], None] | None = None) -> dict[str, np.ndarray]:
+    """Mean squared input activation per column of every decoder Linear, keyed by its weight's name
+    (``...q_proj.weight``), as the layers stream from ``ckpt`` (calib/streaming.py), one layer in
+    memory: a model larger than RAM gets one too. The output head is not walked (``llama-imatrix``
+    leaves it out by default). Sums accumulate in float64 so that thousands of windows add up
+    without drift."""
     from calib.layerwise import decoder_layers, run_layer
     from calib.streaming import skeleton, walk_layers
 
@@ -65,7 +48,7 @@ class _Squares:
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, int] = {}
 
-    def watch(self, module: torch.nn.Module, prefix: str = "") -> list:
+    def watch(self, module: torch.nn.Module, prefix: str) -> list:
         return [m.register_forward_pre_hook(self._collector(f"{prefix}{name}.weight"))
                 for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)]
 

@@ -42,15 +42,15 @@ class Accumulator:
         self.count = 0
         self.per_window: dict[str, list[float]] = {"nll": [], "kld": [], "agree": [], "tokens": []}
 
-    def add(self, logp: torch.Tensor, targets: torch.Tensor, ref_logp: torch.Tensor | TopK | None) -> None:
+    def add(self, logp: torch.Tensor, targets: torch.Tensor, reference: torch.Tensor | TopK | None) -> None:
         nll = -logp.gather(-1, targets.unsqueeze(-1)).sum().item()
         kld = agree = 0.0
-        if isinstance(ref_logp, TopK):
-            kld = ref_logp.kl(logp).sum().item()
-            agree = (ref_logp.top1() == logp.argmax(-1)).sum().item()
-        elif ref_logp is not None:
-            kld = (ref_logp.exp() * (ref_logp - logp)).sum().item()
-            agree = (ref_logp.argmax(-1) == logp.argmax(-1)).sum().item()
+        if isinstance(reference, TopK):
+            kld = reference.kl(logp).sum().item()
+            agree = (reference.top1() == logp.argmax(-1)).sum().item()
+        elif reference is not None:
+            kld = (reference.exp() * (reference - logp)).sum().item()
+            agree = (reference.argmax(-1) == logp.argmax(-1)).sum().item()
         self.nll += nll
         self.kld += kld
         self.agree += agree

@@ -58,7 +58,8 @@ class ReferenceStore:
 
 
 class ReferenceWriter:
-    """Writes a store under a temporary name; ``commit`` gives it its name once every window is in."""
+    """Writes a store under a temporary name, which ``outputs.commit`` makes its own once ``finish``
+    has marked every window in."""
 
     def __init__(self, outputs: Outputs, folder: Path, windows: torch.Tensor, vocab: int, top_k: int | None = None,
                  key: str = ""):

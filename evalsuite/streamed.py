@@ -14,11 +14,11 @@ import torch
 from calib.streaming import float_logits
 from evalsuite.metrics import Accumulator, Scores
 from evalsuite.reference import ReferenceStore, ReferenceWriter
-from formats.hf import HFCheckpoint
 from formats.outputs import Outputs
+from formats.sources import Source
 
 
-def streamed_scores(ckpt: HFCheckpoint, windows: torch.Tensor, reference: ReferenceStore | None = None,
+def streamed_scores(ckpt: Source, windows: torch.Tensor, reference: ReferenceStore | None = None,
                     keep: Path | None = None, top_k: int | None = None, key: str = "", chunk: int = 4,
                     on_window: Callable[[], None] | None = None) -> Scores:
     """Score ``ckpt`` on ``windows`` (against ``reference`` where given) as its layers stream, and
