@@ -88,14 +88,16 @@ def _run(recipe: Recipe, ckpt: Source, baseline: Source | None, tasks: list[Task
     needs_calibration = any(v.needs_calibration for v in todo)
     calib_windows = _calibration_windows(tokenizer, recipe.calibration) if needs_calibration else None
 
-    with progress_bar(console) as progress:
+    # a new store of the original's distributions takes its name with the job's end: a failed job leaves none
+    with progress_bar(console) as progress, Outputs() as job:
         original = finished(out_dir / ORIGINAL, keys.original(), out_dir)
         source_row = None if baseline is None else finished(out_dir / SOURCE, keys.original(), out_dir)
         store = ReferenceStore.find(out_dir / REFERENCE, windows, keys.original()) if todo else None
         if original is None or (baseline is not None and source_row is None) or (todo and store is None):
+            fresh = job.stage(out_dir / REFERENCE)
             original = _source_row(progress, recipe, "original", original_ckpt, None, windows, tokenizer, tasks,
-                                   keep=out_dir / REFERENCE, key=keys.original())
-            store = ReferenceStore(out_dir / REFERENCE, windows)
+                                   keep=fresh, key=keys.original())
+            store = ReferenceStore(fresh, windows)
             if baseline is not None:
                 source_row = _source_row(progress, recipe, SOURCE_ROW, ckpt, store, windows, tokenizer, tasks)
         imatrix = None
@@ -141,6 +143,7 @@ def _run(recipe: Recipe, ckpt: Source, baseline: Source | None, tasks: list[Task
             )
             record(done, keys.variant(variant), row)
             rows.append(row)
+        job.commit()
 
     if source_row is not None:
         source_row.ppl_delta = source_row.scores.ppl - original.scores.ppl

@@ -225,7 +225,7 @@ def test_rerun_keeps_finished_variants_and_redoes_what_changed(tmp_path, monkeyp
     changed = run({"b": {"weights": {"method": "rtn", "bits": 4, "granularity": "group", "group_size": 128}}})
     assert built == ["a", "b", "b"] and changed["b"].scores != first["b"].scores
     assert changed["a"].scores == first["a"].scores
-    assert originals == [out / ".reference"] and changed["original"].scores == first["original"].scores
+    assert len(originals) == 1 and (out / ".reference").is_dir() and changed["original"].scores == first["original"].scores
     # so does a missing or damaged export
     shutil.rmtree(out / "a" / "safetensors")
     run({"b": {"weights": {"method": "rtn", "bits": 4, "granularity": "group", "group_size": 128}}})

@@ -41,6 +41,9 @@ def test_vllm_scores_the_original_as_transformers_does(rows):
                                     "awq-w4-g128 awq (float16)"])
 def test_vllm_gives_transformers_tokens_on_our_4_bit_exports(rows, export):
     row = rows[export]
+    if isinstance(row, str) and "has no attribute 'cpu_gemm_wna16'" in row:
+        # vLLM builds its CPU int4 weight kernel only for AVX-512 machines: on an AVX2-only CPU the op does not exist
+        pytest.skip(f"vLLM's CPU build has no int4 weight kernel on this CPU ({row})")
     assert not isinstance(row, str), row
     assert row["greedy_tokens_identical"], row
     assert row["prompt_logprob_max_diff"] < 0.05, row

@@ -37,7 +37,8 @@ class Linear:
 class PackedLinear(Linear):
     """bf16 or fp32 weights reordered once into oneDNN's blocked layout: at the few rows a decode
     step multiplies, 1.5-2.3x faster on a CPU than ``F.linear`` in bf16 (which reorders the weight
-    every call), and 1.7-4.4x in fp32 (measured at 1 to 32 rows of a 3072 x 512 weight)."""
+    every call), and 1.7-4.4x in fp32 (measured at 1 to 32 rows of a 3072 x 512 weight). oneDNN's
+    bf16 path needs AVX-512 (or AVX-NE-CONVERT); on a CPU without, bf16 weights stay unpacked."""
 
     kind = "dense"
 
@@ -123,7 +124,8 @@ def make_linear(weight: TensorPayload, bias: torch.Tensor | None, dtype: torch.d
         if spec.bits == 4 and n_in // groups in INT4_GROUPS and n_in % groups == 0:
             return Int4Linear(weight, bias, dtype, device)
     dense = (weight.dequantize() if isinstance(weight, QuantizedTensor) else weight).to(device=device, dtype=dtype)
-    packs = device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and torch.backends.mkldnn.is_available()
+    packs = device.type == "cpu" and torch.backends.mkldnn.is_available() and (
+        dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
     layer = PackedLinear(dense, bias) if packs else Linear(dense, bias)
     if isinstance(weight, QuantizedTensor):
         layer.kind = f"dequantized {weight.spec.label}"
