@@ -131,7 +131,7 @@ def main() -> None:
     for engine, model, fmt, users, context, kv in CONFIGS:
         if engine == "llamacpp":
             path = tmp / f"{model}-{fmt}.gguf"
-            build_variant(HFCheckpoint.open(folders[model]), gguf_variant(fmt), tmp, keep_weights=False, gguf_path=path)
+            build_variant(HFCheckpoint.open(folders[model]), gguf_variant(fmt), tmp, gguf_path=path)
             child = [LLAMACPP, str(path), str(context), str(_GGML_KV[kv]), "run"]
             shape = load_model_shape(str(path))
         else:

@@ -83,7 +83,7 @@ def main() -> None:
     for file_type in TYPES:
         path = work / f"synthetic-{file_type}.gguf"
         if not path.is_file():
-            build_variant(HFCheckpoint.open(checkpoint), gguf_variant(file_type), work, keep_weights=False, gguf_path=path)
+            build_variant(HFCheckpoint.open(checkpoint), gguf_variant(file_type), work, gguf_path=path)
         shape = load_model_shape(str(path))
         query = FitQuery(file_type, 128, "fp16", 48, 1, device, 1, ENGINES["llamacpp"])
         result = fit(shape, query, smallest=False)

@@ -34,7 +34,7 @@ CONFIG = {
 
 
 def make_checkpoint(dest: Path, config: dict = CONFIG) -> int:
-    """Write a synthetic Llama checkpoint (untied) tensor by tensor; returns its parameter count."""
+    """Write a synthetic Llama checkpoint tensor by tensor; returns its parameter count."""
     import torch
 
     from formats.hf import DenseSafetensorsWriter, HFCheckpoint
@@ -42,7 +42,9 @@ def make_checkpoint(dest: Path, config: dict = CONFIG) -> int:
     c = config
     h, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     kv = c["num_key_value_heads"] * c["head_dim"]
-    shapes = [("model.embed_tokens.weight", (v, h)), ("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
+    shapes = [("model.embed_tokens.weight", (v, h)), ("model.norm.weight", (h,))]
+    if not c["tie_word_embeddings"]:
+        shapes.append(("lm_head.weight", (v, h)))
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes += [

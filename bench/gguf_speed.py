@@ -55,8 +55,8 @@ def main() -> None:
 
     runs = []
     for _ in range(args.repeat):
-        ours = timed(lambda: build_variant(ckpt, gguf_variant(args.type), tmp, keep_weights=False, gguf_path=tmp / "ours.gguf"))
-        convert = timed(lambda: build_variant(ckpt, gguf_variant("F32"), tmp, keep_weights=False, gguf_path=tmp / "f32.gguf"))
+        ours = timed(lambda: build_variant(ckpt, gguf_variant(args.type), tmp, gguf_path=tmp / "ours.gguf"))
+        convert = timed(lambda: build_variant(ckpt, gguf_variant("F32"), tmp, gguf_path=tmp / "f32.gguf"))
         quantize = timed(lambda: llama_quantize_file(tmp / "f32.gguf", tmp / "llama.gguf", FILE_TYPES[args.type].id, nthread=args.threads))
         runs.append((ours, convert, quantize))
     ours = min(r[0] for r in runs)

@@ -6,8 +6,8 @@ parameters: hidden 2048, FFN 5632, 22 layers, 32 query / 4 key-value heads, voca
 the streaming GPTQ (``quant.gptq_model``) on 32 windows of 512 random token ids in a child process
 and prints its peak RSS (its own ru_maxrss plus the largest of any worker process's), its seconds,
 and PASS/FAIL against 4 GiB: one layer in float32, its Hessians and activations, plus a fixed
-overhead. Each layer's results are dropped once handed out, as a writer streaming them to disk
-would; what a recipe keeps instead (the quantized payloads, until the export) is printed beside.
+overhead. Each layer's results are dropped once handed out, as a recipe writes them to disk until
+its export (formats/variant_weights.py); their size is printed beside.
 
 GPTQ of a 1B layer takes minutes on 2 cores, so ``--layers N`` (default 3) stops the walk after N
 layers; every layer has the same shapes, so the peak is reached by then (the peak after each layer
@@ -102,8 +102,8 @@ def main() -> None:
     what = "GPTQ W4 g128 sym" if args.method == "gptq" else f"QAT's layer phase W4 g128 asym, {args.qat_steps} steps per layer"
     print(f"{what}, {WINDOWS} windows of {WINDOW} tokens: quantized {layers} of {total} decoder layers "
           f"(the walk stops there), {seconds:.0f} s ({seconds / max(layers, 1):.0f} s per layer)")
-    print(f"payloads handed out: {payload / 2**20:.0f} MiB for {layers} layers, dropped here; a recipe keeps them "
-          f"until its export, about {payload / max(layers, 1) * total / 2**20:.0f} MiB for all {total}")
+    print(f"payloads handed out: {payload / 2**20:.0f} MiB for {layers} layers, dropped here; a recipe writes them "
+          f"to disk until its export, about {payload / max(layers, 1) * total / 2**20:.0f} MiB for all {total}")
     print(f"peak RSS: process {own_kb / 1024:.0f} MiB + workers {workers_kb / 1024:.0f} MiB = {peak_mb:.0f} MiB; "
           f"target < {LIMIT_MIB} MiB: {'PASS' if peak_mb < LIMIT_MIB else 'FAIL'}")
     shutil.rmtree(work, ignore_errors=True)

@@ -138,7 +138,7 @@ def one_sequence(model: Path, variants: Path, threads: int) -> dict:
              "int4": ({"method": "rtn", "bits": 4, "granularity": "group", "group_size": 128}, "int4")}
     for name, (weights, _) in specs.items():
         build_variant(ckpt, Variant.model_validate({"name": name, "weights": weights, "exports": ["compressed-tensors"]}),
-                      variants, keep_weights=False)
+                      variants)
     bandwidth = read_bandwidth(threads)
     shape = load_model_shape(str(model))
     device = resolve_gpu(f"custom:64,{bandwidth / 1e9:.3f}")

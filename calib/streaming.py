@@ -97,11 +97,14 @@ def walk_layers(ckpt: HFCheckpoint, model: torch.nn.Module, windows: torch.Tenso
         _trim()
 
 
-def float_logits(ckpt: HFCheckpoint, windows: torch.Tensor, chunk: int = 4) -> Iterator[torch.Tensor]:
+def float_logits(ckpt: HFCheckpoint, windows: torch.Tensor, chunk: int = 4,
+                 model: torch.nn.Module | None = None) -> Iterator[torch.Tensor]:
     """The checkpoint's own next-token logits on the token ``windows``, ``chunk`` windows at a
     time (float32 ``[chunk, tokens, vocab]``), computed as the walk computes, one decoder layer in
-    memory at a time: a distillation target that never needs the float model whole."""
-    model = skeleton(ckpt)
+    memory at a time: a distillation target that never needs the float model whole. ``model``, a
+    ``skeleton`` of ``ckpt``, is the one to walk when the caller has hooked its modules (a
+    variant's quantized activations or KV cache)."""
+    model = skeleton(ckpt) if model is None else model
     last = len(decoder_layers(model)) - 1
     hidden = None
     for index, step in enumerate(walk_layers(ckpt, model, windows)):

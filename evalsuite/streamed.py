@@ -20,15 +20,17 @@ from formats.sources import Source
 
 def streamed_scores(ckpt: Source, windows: torch.Tensor, reference: ReferenceStore | None = None,
                     keep: Path | None = None, top_k: int | None = None, key: str = "", chunk: int = 4,
-                    on_window: Callable[[], None] | None = None) -> Scores:
+                    on_window: Callable[[], None] | None = None, model: torch.nn.Module | None = None) -> Scores:
     """Score ``ckpt`` on ``windows`` (against ``reference`` where given) as its layers stream, and
     with ``keep`` write its own distributions there, a reference store for the variants (``top_k``
-    tokens per position, by default all where they fit; ``key`` names the model for resuming)."""
+    tokens per position, by default all where they fit; ``key`` names the model for resuming).
+    ``model`` is the ``calib.streaming.skeleton`` of ``ckpt`` to walk, where its modules carry
+    hooks (a variant's simulated activations or KV cache)."""
     acc = Accumulator()
     with Outputs() as outputs:
         writer = ReferenceWriter(outputs, keep, windows, ckpt.arch.vocab, top_k, key) if keep is not None else None
         index = 0
-        for logits in float_logits(ckpt, windows, chunk):
+        for logits in float_logits(ckpt, windows, chunk, model):
             for logp in torch.log_softmax(logits[:, :-1].float(), -1):
                 acc.add(logp, windows[index, 1:].to(logp.device), reference.window(index).to(logp.device) if reference else None)
                 if writer is not None:

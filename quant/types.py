@@ -194,12 +194,23 @@ class GGMLTensor:
     shape: tuple[int, ...]
 
     def dequantize(self) -> torch.Tensor:
-        values = dequantize(self.raw, GGMLQuantizationType[self.ggml_type])
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape)
+        """float32 values, decoded a few MiB of rows at a time: gguf-py's decoders hold several
+        float32 intermediates of their input's size (about 17 bytes a weight for Q4_K), which for
+        a 128256-row embedding would be 9 GB at once."""
+        kind = GGMLQuantizationType[self.ggml_type]
+        raw = self.raw.reshape(-1, self.raw.shape[-1]) if self.raw.ndim else self.raw.reshape(1, 1)
+        out = np.empty((raw.shape[0], self.shape[-1] if self.shape else 1), np.float32)
+        step = max(1, _DECODE_CHUNK // out.shape[1])
+        for start in range(0, raw.shape[0], step):
+            out[start : start + step] = dequantize(raw[start : start + step], kind).reshape(-1, out.shape[1])
+        return torch.from_numpy(out).reshape(self.shape)
 
     @property
     def bits_per_weight(self) -> float:
         return 8.0 * self.raw.nbytes / int(np.prod(self.shape))
+
+
+_DECODE_CHUNK = 2**20  # weights per decoded slice of a ggml tensor: 4 MiB of float32
 
 
 @dataclass(frozen=True)

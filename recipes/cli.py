@@ -71,7 +71,7 @@ def export(
     plan_variant(ckpt, variant, imatrix is not None)
     with progress_bar(console) as progress, Outputs() as outputs:  # the .gguf and its Modelfile appear together
         importance = load_or_compute_imatrix(ckpt, imatrix, progress) if imatrix is not None else None
-        built = build_variant(ckpt, variant, out.parent, progress, imatrix=importance, keep_weights=False, gguf_path=out,
+        built = build_variant(ckpt, variant, out.parent, progress, imatrix=importance, gguf_path=out,
                               outputs=outputs)
         outputs.commit()
     stdout.print(escape(f"{out}: {file_type}, {out.stat().st_size / 2**20:.2f} MiB, {built.bits_per_weight:.3f} bits per weight"))

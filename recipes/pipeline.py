@@ -1,9 +1,10 @@
 """The batch job behind ``quantize RECIPE.yaml``: quantize each variant, export it, score it, report.
 
 Per variant, tensors stream from the source checkpoint one at a time through the quantizer into
-every export writer and into the variant's in-memory weights, so the files and the evaluated model
-are the same numbers by construction. The original is scored as its layers stream (evalsuite/
-streamed.py) and its distributions are kept on disk for the variants' KLD (evalsuite/reference.py).
+every export writer and into the variant's weights kept on disk (formats/variant_weights.py), so
+the files and the evaluated model are the same numbers by construction. The original and then each
+variant are scored as their layers stream (evalsuite/streamed.py), never loaded whole; the
+original's distributions are kept on disk for the variants' KLD (evalsuite/reference.py).
 Everything a user could get wrong is checked before the
 first tensor is touched. A rerun into the same output folder keeps every variant whose inputs are
 unchanged since it last finished (recipes/resume.py) and redoes the rest.
@@ -22,16 +23,17 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from calib.text import sample_windows, token_windows
-from evalsuite.metrics import causal_lm_logprobs, score
+from calib.streaming import skeleton
+from evalsuite.metrics import Scores, causal_lm_logprobs
 from evalsuite.reference import ReferenceStore
 from evalsuite.report import Report, VariantRow, compare_with_original, write_report
 from evalsuite.recommend import Budget, recommend
 from evalsuite.streamed import streamed_scores
 from evalsuite.tasks import Task, load_task, run_task
-from formats.architecture import transformers_config
-from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
+from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
 from formats.outputs import Outputs, check_output_path, folder_lock
 from formats.sources import Source, open_checkpoint
+from formats.variant_weights import VariantWeights
 from quant.activations import simulated_activations
 from quant.kv_cache import simulated_kv_cache
 from quant.types import InputError
@@ -104,7 +106,6 @@ def _run(recipe: Recipe, ckpt: Source, baseline: Source | None, tasks: list[Task
         if needs_imatrix:
             imatrix = _tracked(progress, "importance matrix", ckpt.arch.layers,
                                lambda tick: model_imatrix(ckpt, calib_windows, tick))
-        config = transformers_config(ckpt.config, str(ckpt.path))
         rows = [original] + ([source_row] if source_row is not None else [])
         for variant in recipe.variants:
             if kept[variant.name] is not None:
@@ -117,21 +118,19 @@ def _run(recipe: Recipe, ckpt: Source, baseline: Source | None, tasks: list[Task
             start = time.perf_counter()
             uses = imatrix if getattr(variant.weights, "imatrix", False) else None
             checkpoint = training_checkpoint(out_dir, variant, keys.variant(variant))
-            with Outputs() as outputs:  # the variant's files get their names once it is scored
+            # the variant's files get their names once it is scored; its kept weights are scratch
+            with Outputs() as outputs, Outputs() as scratch:
                 built = build_variant(ckpt, variant, out_dir, progress, imatrix=uses, calibration=calib_windows,
-                                      outputs=outputs, checkpoint=checkpoint)
-                model = model_from_state(config, built.state)
-                bits, files, statistics = built.bits_per_weight, built.files, built.input_statistics
-                errors, measure = built.linear_errors, built.error_measure
-                del built
-                with _activations(model, ckpt, variant), _kv_cache(model, ckpt, variant):
-                    scores = _tracked(progress, f"{variant.name}: evaluate", len(windows),
-                                      lambda tick: score(causal_lm_logprobs(model), windows, store, on_window=tick))
-                    engine = engine_source(ckpt.path, variant, files)
-                    if not isinstance(engine, str) and engine[0] != ckpt.path:  # its export, still staged
-                        engine = (outputs.staged(engine[0]), engine[1])
-                    answers = _tasks(progress, variant.name, causal_lm_logprobs(model), tokenizer, ckpt, tasks, engine)
-                del model
+                                      outputs=outputs, checkpoint=checkpoint,
+                                      keep=scratch.stage(out_dir / variant.name / ".weights"))
+                weights, bits, files = built.weights, built.bits_per_weight, built.files
+                statistics, errors, measure = built.input_statistics, built.linear_errors, built.error_measure
+                scores = _tracked(progress, f"{variant.name}: evaluate", len(windows),
+                                  lambda tick: _variant_scores(weights, variant, windows, store, tick))
+                engine = engine_source(ckpt.path, variant, files)
+                if not isinstance(engine, str) and engine[0] != ckpt.path:  # its export, still staged
+                    engine = (outputs.staged(engine[0]), engine[1])
+                answers = _variant_tasks(progress, weights, variant, tokenizer, tasks, engine) if tasks else {}
                 outputs.commit()
             shutil.rmtree(checkpoint, ignore_errors=True)
             row = VariantRow(
@@ -174,6 +173,23 @@ def _source_row(progress: Progress, recipe: Recipe, name: str, ckpt: Source, ref
     bits = ckpt.bits_per_weight
     return VariantRow(name, f"source ({ckpt.label})", bits, _size_mb(ckpt, bits), scores,
                       seconds=time.perf_counter() - start, tasks=answers, speed=_speed(progress, recipe, ckpt, None, [], tokenizer))
+
+
+def _variant_scores(weights: VariantWeights, variant: Variant, windows: torch.Tensor, store: ReferenceStore,
+                    tick: Callable[[], None]) -> Scores:
+    """A variant scored as its layers stream from its kept weights, through its simulated
+    activations and KV cache, against the original's distributions."""
+    model = skeleton(weights)
+    with _activations(model, weights, variant), _kv_cache(model, weights, variant):
+        return streamed_scores(weights, windows, store, on_window=tick, model=model)
+
+
+def _variant_tasks(progress: Progress, weights: VariantWeights, variant: Variant, tokenizer,
+                   tasks: list[Task | LMEvalTask], engine: tuple[Path, str] | str) -> dict[str, dict]:
+    """The variant's task answers; a task scores whole sequences, so the model is loaded whole."""
+    model = _load(progress, variant.name, weights)
+    with _activations(model, weights, variant), _kv_cache(model, weights, variant):
+        return _tasks(progress, variant.name, causal_lm_logprobs(model), tokenizer, weights, tasks, engine)
 
 
 def _load(progress: Progress, who: str, ckpt: Source) -> torch.nn.Module:

@@ -6,6 +6,7 @@ names it, so a long batch job never dies half-way on a typo.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Annotated, Callable, ClassVar, Literal, Union
 
@@ -535,6 +536,10 @@ def load_recipe(path: Path) -> Recipe:
     if not isinstance(data, dict):
         raise InputError(f"{path}: a recipe is a YAML mapping with 'model', 'evaluation' and 'variants'")
     try:
+        data = expand_matrices(data)
+    except ValueError as e:
+        raise InputError(f"{path}: {e}") from None
+    try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
         raise InputError(f"{path}: {_first_error(e, data)}") from None
@@ -551,6 +556,41 @@ def load_recipe(path: Path) -> Recipe:
             "output": base / recipe.output if recipe.output else None,
         }
     )
+
+
+_SHORT = {"bits": "w", "group_size": "g"}  # how a matrix names its variants: gptq-w4-g128
+
+
+def expand_matrices(data: dict) -> dict:
+    """The recipe with each variant that names a ``matrix`` (weights fields to lists of values,
+    ``{bits: [2, 3, 4], group_size: [32, 128]}``) replaced by one variant per combination, in
+    order, named after the template and its values (``gptq-w2-g32``), so a sweep is one entry
+    that resumes, reports and errs variant by variant like any other."""
+    variants = data.get("variants")
+    if not isinstance(variants, list):
+        return data
+    expanded = []
+    for index, entry in enumerate(variants):
+        if not isinstance(entry, dict) or "matrix" not in entry:
+            expanded.append(entry)
+            continue
+        where = f"variants[{index}]" + (f"({entry['name']})" if "name" in entry else "") + ".matrix"
+        matrix, weights = entry["matrix"], entry.get("weights")
+        if not isinstance(matrix, dict) or not matrix:
+            raise ValueError(f"field '{where}': a mapping of weights fields to lists of values, e.g. {{bits: [3, 4]}}")
+        if not isinstance(weights, dict):
+            raise ValueError(f"field '{where}': a matrix varies the fields of the variant's 'weights', which it lacks")
+        for key, values in matrix.items():
+            if not isinstance(values, list) or not values:
+                raise ValueError(f"field '{where}.{key}': a non-empty list of values")
+            if key in weights:
+                raise ValueError(f"field '{where}.{key}': also set in 'weights'; give it in one place")
+        template = {k: v for k, v in entry.items() if k != "matrix"}
+        for values in itertools.product(*matrix.values()):
+            chosen = dict(zip(matrix, values))
+            name = "-".join([str(entry.get("name", "variant"))] + [f"{_SHORT.get(k, k)}{v}" for k, v in chosen.items()])
+            expanded.append(template | {"name": name, "weights": weights | chosen})
+    return data | {"variants": expanded}
 
 
 def _first_error(error: ValidationError, data: dict) -> str:

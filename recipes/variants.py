@@ -1,5 +1,6 @@
 """Building one variant: every tensor streamed from the source checkpoint through its quantizer
-into the variant's files and, when it is to be evaluated, into its in-memory weights.
+into the variant's files and, when it is to be evaluated, into its weights kept on disk as the
+quantizer made them (formats/variant_weights.py), which the evaluation then streams.
 
 One tensor is in flight at a time; the writers lay out their headers from a plan made before the
 first tensor is read, so a model larger than RAM converts in bounded memory.
@@ -21,6 +22,7 @@ from formats.gptq import GPTQWriter
 from formats.hf import DenseSafetensorsWriter, HFCheckpoint
 from formats.modelfile import modelfile_name, write_modelfile
 from formats.outputs import Outputs
+from formats.variant_weights import VariantWeights
 from quant.error import OUTPUT_ERROR, WEIGHT_ERROR, relative_error
 from quant.ggml import FILE_TYPES
 from quant.smoothquant import smoothquant_model
@@ -33,10 +35,10 @@ FOLDER_EXPORTS = ("safetensors", "compressed-tensors", "gptq", "awq", "bitsandby
 
 @dataclass
 class BuiltVariant:
-    """A variant's weights as evaluated (float32, by HF name; empty unless kept), its files, its
-    size, and for outlier-aware passes the statistics of each Linear's calibration inputs."""
+    """A variant's weights as evaluated (None unless kept), its files, its size, and for
+    outlier-aware passes the statistics of each Linear's calibration inputs."""
 
-    state: dict[str, torch.Tensor]
+    weights: VariantWeights | None
     files: list[Path]
     bits_per_weight: float
     input_statistics: dict[str, dict] = field(default_factory=dict)  # quant.outliers.channel_statistics
@@ -57,7 +59,7 @@ def build_variant(
     out_dir: Path,
     progress: Progress | None = None,
     imatrix: Imatrix | None = None,
-    keep_weights: bool = True,
+    keep: Path | None = None,
     gguf_path: Path | None = None,
     calibration: torch.Tensor | None = None,
     outputs: Outputs | None = None,
@@ -65,31 +67,40 @@ def build_variant(
 ) -> BuiltVariant:
     """Quantize ``variant`` tensor by tensor into its exports under ``out_dir/<variant name>``.
 
-    ``gguf_path`` overrides where the GGUF export goes. With ``keep_weights`` the dequantized
-    weights are also kept for evaluation (the whole model in float32). Variants fitted on
-    calibration text (GPTQ, AWQ) take the token windows in ``calibration``; they are fitted first,
-    layer by layer as the layers stream from the checkpoint, and their tensors then stream into
-    the exports like any others; a fit that trains (QAT) keeps its progress in the ``checkpoint``
-    folder, if given. The files are staged in ``outputs`` and reach their final names when the
-    caller commits it (after scoring the variant, say); without ``outputs`` they are committed
-    here, once all are written.
+    ``gguf_path`` overrides where the GGUF export goes. With ``keep`` (a folder, which the caller
+    stages and discards) the quantized weights are also kept there for evaluation. Variants fitted
+    on calibration text (GPTQ, AWQ) take the token windows in ``calibration``; they are fitted
+    first, layer by layer as the layers stream from the checkpoint, their tensors waiting on disk
+    (in ``keep``, or a scratch folder beside the exports) until they stream into the exports like
+    any others, in the checkpoint's tensor order; a fit that trains (QAT) keeps its progress in
+    the ``checkpoint`` folder, if given. The files are staged in ``outputs`` and reach their final
+    names when the caller commits it (after scoring the variant, say); without ``outputs`` they
+    are committed here, once all are written.
     """
     if outputs is None:
         with Outputs() as own:
-            built = build_variant(ckpt, variant, out_dir, progress, imatrix, keep_weights, gguf_path, calibration, own,
-                                  checkpoint)
+            built = build_variant(ckpt, variant, out_dir, progress, imatrix, keep, gguf_path, calibration, own, checkpoint)
             own.commit()
         return built
+    with Outputs() as scratch:  # the fitted tensors' folder when none is kept
+        kept = None if keep is None else VariantWeights(keep, ckpt)
+        fitted = kept if kept is not None else VariantWeights(scratch.stage(out_dir / variant.name / ".fitted"), ckpt)
+        return _build(ckpt, variant, out_dir, progress, imatrix, kept, fitted, gguf_path, calibration, outputs, checkpoint)
+
+
+def _build(ckpt: HFCheckpoint, variant: Variant, out_dir: Path, progress: Progress | None, imatrix: Imatrix | None,
+           kept: VariantWeights | None, fitted: VariantWeights, gguf_path: Path | None, calibration: torch.Tensor | None,
+           outputs: Outputs, checkpoint: Path | None) -> BuiltVariant:
     method = method_of(variant.weights)
     plan = method.plan(ckpt, variant, imatrix is not None)
     progress = progress or Progress(disable=True)
-    fitted, statistics, errors = _fit(ckpt, variant, calibration, progress, checkpoint)
+    statistics, errors = _fit(ckpt, variant, calibration, progress, checkpoint, fitted)
     compares = method.compares_weights and variant.activations is None
-    measure = OUTPUT_ERROR if errors else WEIGHT_ERROR if compares and keep_weights else None
+    measure = OUTPUT_ERROR if errors else WEIGHT_ERROR if compares and kept is not None else None
+    dense = measure == WEIGHT_ERROR or "safetensors" in variant.exports
     linears = set(ckpt.linear_modules)
     files = export_paths(ckpt, variant, out_dir, gguf_path)
     writers: list = []
-    state: dict[str, torch.Tensor] = {}
     bits = params = 0.0
     task = progress.add_task(f"{variant.name}: quantize + export", total=len(plan.names))
     try:
@@ -99,12 +110,15 @@ def build_variant(
                 writers.append(writer)
         for name in plan.names:
             source = None if name in fitted else ckpt.tensor(name)
-            payload = fitted.pop(name) if source is None else method.quantize(ckpt, variant, plan, name, source, imatrix)
-            weights = dequantized(payload) if keep_weights or "safetensors" in variant.exports else None
+            if source is None:
+                payload = fitted.payload(name)
+            else:
+                payload = method.quantize(ckpt, variant, plan, name, source, imatrix)
+                if kept is not None:
+                    kept.put(name, payload)
+            weights = dequantized(payload) if dense else None
             for w in writers:
                 w.add(name, weights if isinstance(w, DenseSafetensorsWriter) else payload)
-            if keep_weights:
-                state[name] = weights
             if measure == WEIGHT_ERROR and name.removesuffix(".weight") in linears:
                 errors[name.removesuffix(".weight")] = relative_error(ckpt.tensor(name) if source is None else source, weights)
             n = _numel(ckpt.shape(name))
@@ -119,7 +133,7 @@ def build_variant(
         raise
     finally:
         progress.remove_task(task)
-    return BuiltVariant(state, [p for export, p in files.items() if export != "modelfile"], bits / params, statistics,
+    return BuiltVariant(kept, [p for export, p in files.items() if export != "modelfile"], bits / params, statistics,
                         errors, measure if errors else None)
 
 
@@ -161,19 +175,17 @@ def export_paths(ckpt: HFCheckpoint, variant: Variant, out_dir: Path, gguf_path:
 
 
 def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None, progress: Progress,
-         checkpoint: Path | None) -> tuple[dict[str, TensorPayload], dict[str, dict], dict[str, float]]:
+         checkpoint: Path | None, fitted: VariantWeights) -> tuple[dict[str, dict], dict[str, float]]:
     """The variant's calibrated pass (its method's, or SmoothQuant's before W8A8 with the method's
     weight pass), streamed from the checkpoint one decoder layer at a time (the float model is
-    never loaded whole): every tensor of the decoder layers it produced, by name (quantized
-    weights, and the norms and biases that absorbed AWQ's or SmoothQuant's scales), and by module
-    name the per-Linear input statistics of the outlier-aware passes and the output errors the
-    pass measured (quant/error.py). Empty for variants without one. The payloads are kept until
-    the export loop writes them in the checkpoint's tensor order, which is not the layers' order:
-    for a 4-bit variant that is the uint8 codes, a quarter of the float32 weights, plus scales."""
+    never loaded whole): every tensor of the decoder layers it produced (quantized weights, and
+    the norms and biases that absorbed AWQ's or SmoothQuant's scales) goes into ``fitted``, and by
+    module name it returns the per-Linear input statistics of the outlier-aware passes and the
+    output errors the pass measured (quant/error.py). Nothing for variants without one."""
     weights = variant.weights
     method = method_of(weights)
     if variant.activations is None and not method.fits(weights):
-        return {}, {}, {}
+        return {}, {}
     if windows is None:
         raise InputError(f"variant '{variant.name}': {weights.method} needs calibration text (add 'calibration: {{text: ...}}')")
     if variant.activations is not None:
@@ -184,19 +196,19 @@ def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None, pro
         layers = method.fit(ckpt, variant, windows,
                             lambda where: progress.update(task, description=f"{variant.name}: {label} {where}"),
                             checkpoint)
-    fitted: dict[str, TensorPayload] = {}
     statistics: dict[str, dict] = {}
     errors: dict[str, float] = {}
     task = progress.add_task(f"{variant.name}: {label} layers", total=ckpt.arch.layers)
     try:
         for layer in layers:
-            fitted.update(layer.tensors)
+            for name, payload in layer.tensors.items():
+                fitted.put(name, payload)
             statistics.update(layer.statistics)
             errors.update(layer.errors)
             progress.advance(task)
     finally:
         progress.remove_task(task)
-    return fitted, statistics, errors
+    return statistics, errors
 
 
 def activation_modules(ckpt: HFCheckpoint, variant: Variant) -> list[str]:

@@ -83,7 +83,7 @@ def llama_cpp_and_transformers(folder, tmp_path, n: int = 128):
     from formats.hf import HFCheckpoint
     from recipes.variants import build_variant, gguf_variant
 
-    path = build_variant(HFCheckpoint.open(folder), gguf_variant("F32"), tmp_path, keep_weights=False,
+    path = build_variant(HFCheckpoint.open(folder), gguf_variant("F32"), tmp_path,
                          gguf_path=tmp_path / "m.gguf").files[0]
     ids = AutoTokenizer.from_pretrained(folder)(EVAL_TEXT.read_text()[:4000], add_special_tokens=False)["input_ids"][:n]
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=2, type_k=0, type_v=0)

@@ -51,8 +51,8 @@ def test_gguf_bytes_equal_llama_quantize_of_our_f32_file(zoo, tmp_path, name, fi
     from quant.ggml import FILE_TYPES as TYPES
 
     ckpt = HFCheckpoint.open(zoo[name])
-    f32 = build_variant(ckpt, gguf_variant("F32"), tmp_path, keep_weights=False, gguf_path=tmp_path / "f32.gguf").files[0]
-    ours = build_variant(ckpt, gguf_variant(file_type), tmp_path, keep_weights=False, gguf_path=tmp_path / "ours.gguf").files[0]
+    f32 = build_variant(ckpt, gguf_variant("F32"), tmp_path, gguf_path=tmp_path / "f32.gguf").files[0]
+    ours = build_variant(ckpt, gguf_variant(file_type), tmp_path, gguf_path=tmp_path / "ours.gguf").files[0]
     theirs = tmp_path / "theirs.gguf"
     ggml_oracle.llama_quantize_file(f32, theirs, TYPES[file_type].id)
     a = {t.name: (t.tensor_type.name, bytes(t.data)) for t in GGUFReader(ours).tensors}
@@ -86,13 +86,13 @@ def test_a_gguf_file_of_every_architecture_is_a_source_that_gives_the_model_back
     from formats.sources import open_checkpoint
 
     original = HFCheckpoint.open(zoo[name])
-    f32 = build_variant(original, gguf_variant("F32"), tmp_path, keep_weights=False, gguf_path=tmp_path / "a.gguf").files[0]
+    f32 = build_variant(original, gguf_variant("F32"), tmp_path, gguf_path=tmp_path / "a.gguf").files[0]
     source = open_checkpoint(f32)
     assert source.arch == original.arch
     assert sorted(source.names) == sorted(original.names)
     for n in original.names:
         torch.testing.assert_close(source.tensor(n), original.tensor(n), rtol=0, atol=6e-8 if source.arch.norm_offset else 0)
-    again = build_variant(source, gguf_variant("F32"), tmp_path, keep_weights=False, gguf_path=tmp_path / "b.gguf").files[0]
+    again = build_variant(source, gguf_variant("F32"), tmp_path, gguf_path=tmp_path / "b.gguf").files[0]
     assert again.read_bytes() == f32.read_bytes()
 
 
@@ -196,7 +196,7 @@ def test_fit_sizes_the_kv_cache_llama_cpp_allocates_for_a_gguf_file(zoo, tmp_pat
     folder = zoo[name]
     if name == "phi3":  # a window in the file, which llama.cpp switches off
         folder = make_model(tmp_path / "m", "phi3", sliding_window=64)
-    path = build_variant(HFCheckpoint.open(folder), gguf_variant("F16"), tmp_path, keep_weights=False,
+    path = build_variant(HFCheckpoint.open(folder), gguf_variant("F16"), tmp_path,
                          gguf_path=tmp_path / "m.gguf").files[0]
     capfd.readouterr()
     llama_cpp.Llama(model_path=str(path), n_ctx=context, verbose=True, swa_full=False)  # as llama-server runs it
@@ -259,7 +259,7 @@ def calibrated(zoo, tmp_path_factory):
         windows = token_windows(load_tokenizer(ckpt), BUNDLED / "calib.txt", 128, 8)
         out = tmp_path_factory.mktemp(f"calibrated-{name}")
         for v in variants:
-            build_variant(ckpt, Variant.model_validate(v), out, keep_weights=False, calibration=windows)
+            build_variant(ckpt, Variant.model_validate(v), out, calibration=windows)
         built[name] = out
     return built
 

@@ -24,7 +24,7 @@ def test_export_is_what_transformers_writes_with_bitsandbytes(tmp_path, fmt):
 
     weights = {"method": "rtn", "format": fmt, "granularity": "group", "group_size": 64}
     built = build_variant(HFCheckpoint.open(TINY), Variant.model_validate({"name": "v", "weights": weights, "exports": ["bitsandbytes"]}),
-                          tmp_path, keep_weights=False)
+                          tmp_path)
     folder = tmp_path / "v" / "bitsandbytes"
     summary = inspect_file(folder / "model.safetensors")  # two codes a byte, absmax and tables as cost
     assert summary.quantization == f"bitsandbytes {fmt}"

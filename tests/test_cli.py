@@ -166,6 +166,38 @@ def test_duplicate_variant_names(monkeypatch, capsys, tmp_path):
     run_bad(monkeypatch, capsys, tmp_path, recipe, "repeated: int8")
 
 
+def test_a_matrix_expands_a_variant_template_into_one_variant_per_combination(tmp_path):
+    from recipes.schema import load_recipe
+
+    recipe = recipe_with(tmp_path)
+    recipe["variants"] = [
+        {"name": "gptq", "weights": {"method": "gptq", "symmetric": False}, "matrix": {"bits": [2, 3, 4], "group_size": [32, 128]},
+         "exports": ["gptq"]},
+        recipe["variants"][0],
+    ]
+    variants = load_recipe(write_recipe(tmp_path, recipe)).variants
+    assert [v.name for v in variants] == ["gptq-w2-g32", "gptq-w2-g128", "gptq-w3-g32", "gptq-w3-g128",
+                                          "gptq-w4-g32", "gptq-w4-g128", "int8"]
+    assert [(v.weights.bits, v.weights.group_size, v.weights.symmetric) for v in variants[:2]] == [(2, 32, False), (2, 128, False)]
+    assert all(v.exports == ["gptq"] for v in variants[:6])
+
+
+@pytest.mark.parametrize(
+    "matrix, fragment",
+    [
+        ([4, 8], "field 'variants[0](gptq).matrix': a mapping of weights fields"),
+        ({"bits": []}, "field 'variants[0](gptq).matrix.bits': a non-empty list"),
+        ({"damp": [0.01], "method": ["rtn"]}, "field 'variants[0](gptq).matrix.method': also set in 'weights'"),
+        ({"bits": [4], "bitz": [4]}, "unknown field 'variants[0](gptq-w4-bitz4).weights.bitz'"),
+        ({"bits": [4, 9]}, "variants[1](gptq-w9).weights.bits"),
+    ],
+)
+def test_a_bad_matrix_is_refused_with_the_field(monkeypatch, capsys, tmp_path, matrix, fragment):
+    recipe = recipe_with(tmp_path)
+    recipe["variants"] = [{"name": "gptq", "weights": {"method": "gptq", "group_size": 64}, "matrix": matrix}]
+    run_bad(monkeypatch, capsys, tmp_path, recipe, fragment)
+
+
 def model_copy(tmp_path) -> Path:
     dest = tmp_path / "model"
     shutil.copytree(TINY, dest)

@@ -39,7 +39,7 @@ def variants(tmp_path_factory):
     calibration = sample_windows(load_tokenizer(ckpt), BUNDLED / "calib.txt", 128, 8)
     for name, (weights, exports, _) in VARIANTS.items():
         variant = Variant.model_validate({"name": name, "weights": weights, "exports": ["safetensors", *exports]})
-        build_variant(ckpt, variant, out, keep_weights=False, calibration=calibration)
+        build_variant(ckpt, variant, out, calibration=calibration)
     return out
 
 

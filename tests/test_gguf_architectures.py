@@ -63,7 +63,7 @@ def test_llama3_pre_tokenizer_tokenizes_like_transformers(tmp_path):
     ]}
     (folder / "tokenizer.json").write_text(json.dumps(tok))
     ckpt = HFCheckpoint.open(folder)
-    path = build_variant(ckpt, gguf_variant("Q8_0"), tmp_path, keep_weights=False, gguf_path=tmp_path / "m.gguf").files[0]
+    path = build_variant(ckpt, gguf_variant("Q8_0"), tmp_path, gguf_path=tmp_path / "m.gguf").files[0]
     text = EVAL_TEXT.read_text() + "\n1234567 numbers, 3.14159 and   spaces\t\ttabs\r\n"
     llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     hf_ids = AutoTokenizer.from_pretrained(folder)(text, add_special_tokens=False)["input_ids"]
@@ -148,7 +148,7 @@ def test_sentencepiece_tokenizer_tokenizes_like_transformers(llama2_folder, tmp_
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is the 'interop' extra")
     from transformers import AutoTokenizer
 
-    path = build_variant(HFCheckpoint.open(llama2_folder), gguf_variant("Q8_0"), tmp_path, keep_weights=False,
+    path = build_variant(HFCheckpoint.open(llama2_folder), gguf_variant("Q8_0"), tmp_path,
                          gguf_path=tmp_path / "m.gguf").files[0]
     llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     hf = AutoTokenizer.from_pretrained(llama2_folder)

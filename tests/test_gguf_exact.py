@@ -40,7 +40,7 @@ def model(request, tmp_path_factory):
         pytest.skip(f"{path} not present (shared/ models sit beside the repository)")
     ckpt = HFCheckpoint.open(path)
     folder = tmp_path_factory.mktemp(request.param)
-    f32 = build_variant(ckpt, gguf_variant("F32"), folder, keep_weights=False, gguf_path=folder / "f32.gguf").files[0]
+    f32 = build_variant(ckpt, gguf_variant("F32"), folder, gguf_path=folder / "f32.gguf").files[0]
     windows = token_windows(load_tokenizer(ckpt), BUNDLED / "calib.txt", 512, 8)
     imatrix = model_imatrix(ckpt, windows)
     return ckpt, folder, f32, imatrix
@@ -51,7 +51,7 @@ def model(request, tmp_path_factory):
 def test_every_tensor_matches_llama_quantize(model, file_type, with_imatrix):
     ckpt, folder, f32, imatrix = model
     tag = f"{file_type}-{'imatrix' if with_imatrix else 'ref'}"
-    ours = build_variant(ckpt, gguf_variant(file_type, with_imatrix), folder, keep_weights=False,
+    ours = build_variant(ckpt, gguf_variant(file_type, with_imatrix), folder,
                          imatrix=imatrix if with_imatrix else None, gguf_path=folder / f"ours-{tag}.gguf").files[0]
     by_gguf_name = {gguf_name(n, ckpt.arch): v for n, v in imatrix.items()} if with_imatrix else None
     theirs = folder / f"llama-{tag}.gguf"
@@ -68,8 +68,8 @@ def test_every_tensor_matches_llama_quantize(model, file_type, with_imatrix):
 
 def test_imatrix_changes_the_quantization(model):
     ckpt, folder, _, imatrix = model
-    plain = build_variant(ckpt, gguf_variant("Q4_K_M"), folder, keep_weights=False, gguf_path=folder / "p.gguf").files[0]
-    weighted = build_variant(ckpt, gguf_variant("Q4_K_M", True), folder, keep_weights=False, imatrix=imatrix,
+    plain = build_variant(ckpt, gguf_variant("Q4_K_M"), folder, gguf_path=folder / "p.gguf").files[0]
+    weighted = build_variant(ckpt, gguf_variant("Q4_K_M", True), folder, imatrix=imatrix,
                              gguf_path=folder / "w.gguf").files[0]
     a, b = tensors(plain), tensors(weighted)
     assert sum(a[k] != b[k] for k in a) > len(a) // 2

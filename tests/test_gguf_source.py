@@ -22,7 +22,7 @@ def files(tmp_path_factory):
     """The bundled model as Q8_0 and Q4_K_M files (byte-identical to llama.cpp's own, test_gguf_exact.py)."""
     out = tmp_path_factory.mktemp("gguf-sources")
     ckpt = HFCheckpoint.open(TINY)
-    return {t: build_variant(ckpt, gguf_variant(t), out, keep_weights=False, gguf_path=out / f"tiny-{t}.gguf").files[0]
+    return {t: build_variant(ckpt, gguf_variant(t), out, gguf_path=out / f"tiny-{t}.gguf").files[0]
             for t in ("Q8_0", "Q4_K_M", "F32")}
 
 
@@ -48,7 +48,7 @@ def test_the_files_tokenizer_tokenizes_as_the_original(files):
 
 def test_converting_to_the_same_type_gives_the_same_file(files, tmp_path):
     for file_type in ("Q4_K_M", "Q8_0"):
-        again = build_variant(open_checkpoint(files[file_type]), gguf_variant(file_type), tmp_path, keep_weights=False,
+        again = build_variant(open_checkpoint(files[file_type]), gguf_variant(file_type), tmp_path,
                               gguf_path=tmp_path / f"{file_type}.gguf").files[0]
         assert again.read_bytes() == files[file_type].read_bytes(), file_type
 
@@ -60,7 +60,7 @@ def test_a_q8_0_file_converts_to_q4_k_m_as_its_original_does(files, tmp_path):
 
     from test_quantized_sources import llama_cpp_perplexity
 
-    converted = build_variant(open_checkpoint(files["Q8_0"]), gguf_variant("Q4_K_M"), tmp_path, keep_weights=False,
+    converted = build_variant(open_checkpoint(files["Q8_0"]), gguf_variant("Q4_K_M"), tmp_path,
                               gguf_path=tmp_path / "q4.gguf").files[0]
     source = {t.name: t for t in GGUFReader(files["Q8_0"]).tensors}
     kept = [t for t in GGUFReader(converted).tensors if t.tensor_type == source[t.name].tensor_type]

@@ -89,7 +89,7 @@ def test_gptqmodel_reads_our_gptq_files_back(small_run, variant, checkpoint_form
 def test_three_bit_codes_straddle_words_as_autogptq_packs_them(tmp_path):
     weights = {"method": "rtn", "bits": 3, "granularity": "group", "group_size": 64}
     variant = Variant.model_validate({"name": "int3", "weights": weights, "exports": ["safetensors", "gptq"]})
-    build_variant(HFCheckpoint.open(TINY), variant, tmp_path, keep_weights=False)
+    build_variant(HFCheckpoint.open(TINY), variant, tmp_path)
     assert_read_back_exactly(read_back(tmp_path / "int3", "gptq"))
 
 

@@ -98,8 +98,8 @@ def test_our_q4_k_m_has_the_perplexity_of_llama_cpps_own(tmp_path, windows):
     from recipes.variants import build_variant, gguf_variant
 
     ckpt = HFCheckpoint.open(TINY)
-    ours = build_variant(ckpt, gguf_variant("Q4_K_M"), tmp_path, keep_weights=False, gguf_path=tmp_path / "ours.gguf").files[0]
-    f32 = build_variant(ckpt, gguf_variant("F32"), tmp_path, keep_weights=False, gguf_path=tmp_path / "f32.gguf").files[0]
+    ours = build_variant(ckpt, gguf_variant("Q4_K_M"), tmp_path, gguf_path=tmp_path / "ours.gguf").files[0]
+    f32 = build_variant(ckpt, gguf_variant("F32"), tmp_path, gguf_path=tmp_path / "f32.gguf").files[0]
     llama_quantize_file(f32, tmp_path / "theirs.gguf", FILE_TYPES["Q4_K_M"].id)
     sample = windows[:16]
     ours_llm, theirs_llm = load(ours), load(tmp_path / "theirs.gguf")

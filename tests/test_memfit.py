@@ -60,7 +60,7 @@ def test_mixtral_weights_match_published_files_with_the_expert_rules():
 def test_gguf_weights_match_our_own_exports_of_the_bundled_model(tmp_path, file_type):
     ckpt = HFCheckpoint.open(TINY)
     path = tmp_path / f"tiny-{file_type}.gguf"
-    build_variant(ckpt, gguf_variant(file_type), tmp_path, keep_weights=False, gguf_path=path)
+    build_variant(ckpt, gguf_variant(file_type), tmp_path, gguf_path=path)
     written = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
     assert weights_bytes(load_model_shape(str(TINY)), file_type) == written  # the same type rules: exact
     assert weights_bytes(load_model_shape(str(path)), "ignored") == written  # a GGUF file: its own tensors
@@ -73,7 +73,7 @@ def test_integer_weights_match_our_own_checkpoint_exports(tmp_path, fmt, export,
 
     weights = {"method": "rtn", "bits": 4, "symmetric": symmetric, "granularity": "group", "group_size": 64}
     build_variant(HFCheckpoint.open(TINY), Variant.model_validate({"name": "v", "weights": weights, "exports": [export]}),
-                  tmp_path, keep_weights=False)
+                  tmp_path)
     header = read_safetensors_header(tmp_path / "v" / export / "model.safetensors").tensors
     written = sum(t["data_offsets"][1] - t["data_offsets"][0] for t in header.values())
     shape_tensors = 16 * sum(name.endswith(".weight_shape") for name in header)  # compressed-tensors' int64 [2] each
@@ -88,7 +88,7 @@ def test_a_quantized_checkpoint_folder_counts_what_its_files_hold(tmp_path, expo
     fmt = {"bitsandbytes": "nf4"}.get(export, "int")
     weights = {"method": "rtn", "bits": 4, "format": fmt, "symmetric": export != "awq", "granularity": "group", "group_size": 64}
     build_variant(HFCheckpoint.open(TINY), Variant.model_validate({"name": "v", "weights": weights, "exports": [export]}),
-                  tmp_path, keep_weights=False)
+                  tmp_path)
     folder = tmp_path / "v" / export
     header = read_safetensors_header(folder / "model.safetensors").tensors
     shape = load_model_shape(str(folder))

@@ -87,8 +87,8 @@ def test_dense_export_reloads_in_transformers_with_the_variants_logits(tmp_path)
         "name": "v", "exports": ["safetensors"],
         "weights": {"method": "rtn", "bits": 4, "symmetric": False, "granularity": "group", "group_size": 64},
     })
-    built = build_variant(ckpt, variant, tmp_path)
-    in_memory = model_from_state(AutoModelForCausalLM.from_pretrained(TINY).config, built.state)
+    built = build_variant(ckpt, variant, tmp_path, keep=tmp_path / "kept")
+    in_memory = model_from_state(AutoModelForCausalLM.from_pretrained(TINY).config, _state(built))
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "v" / "safetensors").eval()
     ids = torch.randint(0, 8192, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -100,6 +100,11 @@ def test_dense_export_reloads_in_transformers_with_the_variants_logits(tmp_path)
         assert (original(input_ids=ids).logits - a).abs().max() > 1e-3  # the variant really is quantized
 
 
+def _state(built) -> dict[str, torch.Tensor]:
+    """A built variant's kept weights, dequantized, by name."""
+    return {name: built.weights.tensor(name) for name in built.weights.names}
+
+
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     rows = w.shape[0]
     return w.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
@@ -109,7 +114,7 @@ def test_gguf_tensors_decode_to_the_evaluated_weights(tmp_path):
     """gguf's own reader and dequantizer (independent of our writer) see the variant's weights."""
     ckpt = HFCheckpoint.open(TINY)
     variant = Variant.model_validate({"name": "g", "weights": {"method": "gguf", "type": "Q8_0"}, "exports": ["gguf"]})
-    built = build_variant(ckpt, variant, tmp_path)
+    built = build_variant(ckpt, variant, tmp_path, keep=tmp_path / "kept")
     reader = GGUFReader(built.files[0])
     tensors = {t.name: t for t in reader.tensors}
     assert len(tensors) == 1 + 1 + 6 * 9  # token_embd, output_norm, 9 per layer (tied: no output)
@@ -122,7 +127,7 @@ def test_gguf_tensors_decode_to_the_evaluated_weights(tmp_path):
         t = tensors[name]
         return dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
 
-    state = built.state
+    state = _state(built)
     np.testing.assert_array_equal(decoded("blk.2.attn_v.weight"), state["model.layers.2.self_attn.v_proj.weight"].numpy())
     np.testing.assert_array_equal(decoded("token_embd.weight"), state["model.embed_tokens.weight"].numpy())
     q = _unpermute(decoded("blk.1.attn_q.weight"), 4)
@@ -161,14 +166,14 @@ def test_targets_and_ignore_choose_the_modules_rtn_and_awq_quantize(tmp_path):
 
     ckpt = HFCheckpoint.open(TINY)
     rtn = Variant.model_validate({"name": "r", "weights": {"method": "rtn", "bits": 4, "targets": ["*.mlp.*"], "ignore": ["*.down_proj"]}})
-    state = build_variant(ckpt, rtn, tmp_path).state
+    state = _state(build_variant(ckpt, rtn, tmp_path, keep=tmp_path / "r-kept"))
     for name, tensor in state.items():
         source = ckpt.tensor(name).float()
         quantized = ".mlp.gate_proj." in name or ".mlp.up_proj." in name
         assert torch.equal(tensor, source) != quantized, name
     windows = sample_windows(load_tokenizer(ckpt), BUNDLED / "calib.txt", 128, 2)
     awq = Variant.model_validate({"name": "a", "weights": {"method": "awq", "bits": 4, "group_size": 64, "ignore": ["*.self_attn.*"]}})
-    state = build_variant(ckpt, awq, tmp_path, calibration=windows).state
+    state = _state(build_variant(ckpt, awq, tmp_path, keep=tmp_path / "a-kept", calibration=windows))
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight"):
         levels = max(row.unique().numel() for row in state[name][:, :64])  # one group of 64 columns per row
         assert (levels <= 16) == (".mlp." in name), name  # the attention weights are scaled, not quantized

@@ -39,7 +39,7 @@ def sources(tmp_path_factory):
     for layout, (weights, export, activations) in SOURCES.items():
         variant = Variant.model_validate({"name": layout, "weights": weights, "exports": ["safetensors", export],
                                           "activations": activations})
-        build_variant(ckpt, variant, out, keep_weights=False, calibration=windows)
+        build_variant(ckpt, variant, out, calibration=windows)
     return out
 
 
@@ -122,8 +122,8 @@ def q4_k_m_against_requantized(source, dense, tmp_path) -> dict[str, float]:
     tokenizer = load_tokenizer(source)
     imatrix = model_imatrix(source, token_windows(tokenizer, BUNDLED / "calib.txt", 512, 16))
     tokens = tokenizer(EVAL_TEXT.read_text(), add_special_tokens=False)["input_ids"][: 8 * 256]
-    f32 = build_variant(source, gguf_variant("F32"), tmp_path, keep_weights=False, gguf_path=tmp_path / "f32.gguf").files[0]
-    q4, requantized = (build_variant(ckpt, gguf_variant("Q4_K_M", True), tmp_path, keep_weights=False, imatrix=imatrix,
+    f32 = build_variant(source, gguf_variant("F32"), tmp_path, gguf_path=tmp_path / "f32.gguf").files[0]
+    q4, requantized = (build_variant(ckpt, gguf_variant("Q4_K_M", True), tmp_path, imatrix=imatrix,
                                      gguf_path=tmp_path / f"{name}.gguf").files[0]
                        for name, ckpt in (("q4_k_m", source), ("requantized", dense)))
     scores = {"source ppl": llama_cpp_perplexity(f32, tokens), "ppl": llama_cpp_perplexity(q4, tokens),  # F32: the source itself
@@ -204,7 +204,7 @@ def test_an_eight_bit_source_converts_to_q8_0_within_one_percent_of_its_perplexi
     tokens = load_tokenizer(source)(EVAL_TEXT.read_text(), add_special_tokens=False)["input_ids"][: 8 * 256]
     ppl = {}
     for file_type in ("F32", "Q8_0"):
-        path = build_variant(source, gguf_variant(file_type), tmp_path, keep_weights=False,
+        path = build_variant(source, gguf_variant(file_type), tmp_path,
                              gguf_path=tmp_path / f"{file_type}.gguf").files[0]
         ppl[file_type] = llama_cpp_perplexity(path, tokens)
     print(f"{layout}: dequantized source {ppl['F32']:.3f}, Q8_0 {ppl['Q8_0']:.3f}")
@@ -291,7 +291,7 @@ def test_a_bitsandbytes_source_converts_to_gguf_within_one_percent_of_its_perple
     imatrix = model_imatrix(source, token_windows(tokenizer, BUNDLED / "calib.txt", 512, 16))
     ppl = {}
     for file_type in ("F32", target):
-        path = build_variant(source, gguf_variant(file_type, file_type == "Q4_K_M"), tmp_path, keep_weights=False,
+        path = build_variant(source, gguf_variant(file_type, file_type == "Q4_K_M"), tmp_path,
                              imatrix=imatrix if file_type == "Q4_K_M" else None, gguf_path=tmp_path / f"{file_type}.gguf").files[0]
         ppl[file_type] = llama_cpp_perplexity(path, tokens)
     print(f"bitsandbytes {name}: dequantized source {ppl['F32']:.3f}, {target} {ppl[target]:.3f}")
@@ -335,7 +335,7 @@ def gptqmodel_source(request, tmp_path_factory):
     assert run.returncode == 0, run.stderr[-2000:]
     source = open_checkpoint(folder / "gptq")
     build_variant(source, Variant.model_validate({"name": "gptqmodel", "weights": {"method": "none"}, "exports": ["safetensors"]}),
-                  folder.parent, keep_weights=False)
+                  folder.parent)
     return request.param, folder
 
 
@@ -362,7 +362,7 @@ def test_a_gptq_file_gptqmodel_wrote_converts_to_q4_k_m_as_closely_as_its_grid_a
     tokens = load_tokenizer(source)(EVAL_TEXT.read_text(), add_special_tokens=False)["input_ids"]
 
     def perplexities(ckpt, name):
-        files = [build_variant(ckpt, gguf_variant(t), tmp_path, keep_weights=False, gguf_path=tmp_path / f"{name}-{t}.gguf").files[0]
+        files = [build_variant(ckpt, gguf_variant(t), tmp_path, gguf_path=tmp_path / f"{name}-{t}.gguf").files[0]
                  for t in ("F32", "Q4_K_M")]
         return [llama_cpp_perplexity(f, tokens) for f in files]
 
