@@ -13,10 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from formats.sources import Source
-from quant.types import GGMLTensor, MixedPrecisionTensor, QuantizedTensor, QuantSpec, StoredGGMLTensor, TensorPayload
+from quant.types import Architecture, GGMLTensor, MixedPrecisionTensor, QuantizedTensor, QuantSpec, StoredGGMLTensor, TensorPayload
 
 
 class VariantWeights:
@@ -40,12 +41,8 @@ class VariantWeights:
     def payload(self, name: str) -> TensorPayload:
         if name not in self._held:
             raise KeyError(f"{self.folder}: holds no tensor '{name}'")
-        from safetensors import safe_open
-
-        path = self._file(name)
-        with safe_open(path, "pt") as f:
-            meta = f.metadata()
-        return _decode(load_file(path), meta)
+        with safe_open(self._file(name), "pt") as f:
+            return _decode({k: f.get_tensor(k) for k in f.keys()}, f.metadata())
 
     def tensor(self, name: str) -> torch.Tensor:
         if name not in self._held:
@@ -62,7 +59,7 @@ class VariantWeights:
         return self.base.config
 
     @property
-    def arch(self):
+    def arch(self) -> Architecture:
         return self.base.arch
 
     @property
