@@ -111,11 +111,6 @@ print(json.dumps({"stages": {s: [k / 1024 for k in kib] for s, kib in stages.ite
 """
 
 
-def stage_name(description: str) -> str:
-    """A progress task's description without what changes from layer to layer."""
-    return description.split(" (")[0]
-
-
 def run_job(work: Path, config: dict, layers: int, windows: int, window: int, keep: Path | None) -> dict:
     """The recipe on the synthetic model cut to ``layers`` decoder layers: stage peaks in MiB."""
     import yaml
@@ -147,12 +142,8 @@ def run_job(work: Path, config: dict, layers: int, windows: int, window: int, ke
                           stdout=subprocess.PIPE, text=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     shutil.rmtree(out, ignore_errors=True)
-    stages: dict[str, list[float]] = {}
-    for description, mib in result["stages"].items():
-        name = stage_name(description)
-        stages[name] = [max(a, b) for a, b in zip(stages.get(name, (0.0, 0.0)), mib)]
     print(f"{layers} layers: job {result['seconds']:.0f} s, its own peak RSS {result['peak_mib']:.0f} MiB", flush=True)
-    return {"stages": stages, "peak_mib": result["peak_mib"], "seconds": result["seconds"]}
+    return result
 
 
 def main() -> None:

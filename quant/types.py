@@ -198,8 +198,8 @@ class GGMLTensor:
         float32 intermediates of their input's size (about 17 bytes a weight for Q4_K), which for
         a 128256-row embedding would be 9 GB at once."""
         kind = GGMLQuantizationType[self.ggml_type]
-        raw = self.raw.reshape(-1, self.raw.shape[-1]) if self.raw.ndim else self.raw.reshape(1, 1)
-        out = np.empty((raw.shape[0], self.shape[-1] if self.shape else 1), np.float32)
+        raw = self.raw.reshape(-1, self.raw.shape[-1])
+        out = np.empty((raw.shape[0], self.shape[-1]), np.float32)
         step = max(1, _DECODE_CHUNK // out.shape[1])
         for start in range(0, raw.shape[0], step):
             out[start : start + step] = dequantize(raw[start : start + step], kind).reshape(-1, out.shape[1])
