@@ -105,7 +105,7 @@ def hadamard(n: int) -> torch.Tensor:
 def rotate_blocks(x: torch.Tensor, n: int) -> torch.Tensor:
     """``x`` [..., d] times the Hadamard matrix of size ``n`` on each block of ``n`` channels."""
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // n, n)
-    return (blocks @ hadamard(n).to(x.dtype)).reshape(x.shape)
+    return (blocks @ hadamard(n).to(x.device, x.dtype)).reshape(x.shape)
 
 
 @contextmanager

@@ -70,7 +70,8 @@ def train_end_to_end(ckpt: HFCheckpoint, windows: torch.Tensor, layers: list[Lay
         state, start = saved
         order = _restore(state, trained, optimizer, generator)
     model.train()  # transformers recomputes layers in the backward pass only in training mode
-    model.activation_checkpointing_enable({"use_reentrant": False})
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable  # its name before 5.2x
+    enable({"use_reentrant": False})
     ids = windows.to(device)
     last_save = time.monotonic()
     for i in range(start, steps):

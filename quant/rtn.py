@@ -189,7 +189,7 @@ def _fp16_scale(scale: torch.Tensor, name: str) -> torch.Tensor:
         raise InputError(f"{name}: a quantization scale overflows (weights too large)")
     half = scale.clamp(min=_FP16_TINY).to(torch.float16)
     below = half.to(torch.float32) < scale
-    half[below] = torch.nextafter(half[below], torch.tensor(float("inf"), dtype=torch.float16))
+    half[below] = torch.nextafter(half[below], torch.tensor(float("inf"), dtype=torch.float16, device=half.device))
     if torch.isinf(half).any():
         raise InputError(f"{name}: a quantization scale overflows fp16 (weights too large)")
     return half.to(torch.float32)

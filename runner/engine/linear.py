@@ -2,16 +2,22 @@
 
 A quantized variant runs on its own codes, so its speed is its own and not a dequantized copy's:
 
-- int8 by output channel (GPTQ's grid, symmetric or not): ``torch._weight_int8pack_mm`` on the
-  codes less 128 and the scales; an asymmetric zero-point adds ``(128 - zero) · scale`` times the
-  sum of the inputs;
-- int4 by groups of 32 to 256 inputs: ``torch._weight_int4pack_mm_for_cpu``, whose dequantization
-  is ``(code - 8) · scale + bias``, so our ``(code - zero) · scale`` becomes bias
+- int8 by output channel (GPTQ's grid, symmetric or not) on a CPU: ``torch._weight_int8pack_mm``
+  on the codes less 128 and the scales; an asymmetric zero-point adds ``(128 - zero) · scale``
+  times the sum of the inputs. torch's CUDA build of that op is a reference loop (one thread per
+  output, walking its weight row byte by byte in float32, no tensor cores): on an H200 it gave
+  the dense export's tokens, but bench/linear_kernels.py over Llama-3-8B's projections did not
+  finish in 50 s, twice, with it among the layers timed. On CUDA int8 runs dequantized, and says so;
+- int4 by groups of 32 to 256 inputs: ``torch._weight_int4pack_mm_for_cpu`` on a CPU, and on CUDA
+  (compute capability 8.0 on, bf16 activations) ``torch._weight_int4pack_mm``, tinygemm's kernel,
+  on codes packed two to a byte, even columns in the high nibble. Both dequantize
+  ``(code - 8) · scale + bias``, so our ``(code - zero) · scale`` becomes bias
   ``(8 - zero) · scale``; act-order groups (GPTQ's ``g_idx``) first put the input columns in
   group order, and each input is gathered the same way.
 
-Everything else (other widths, float codes, a device without the kernels) runs dequantized, and
-says so in ``kind``. Scales take the activations' dtype, as the kernels require.
+Everything else (other widths, float codes, int8 on CUDA, int4 in fp32 or fp16 on CUDA, a device
+without the kernels) runs dequantized, and says so in ``kind``. Scales take the activations'
+dtype, as the kernels require.
 """
 
 from __future__ import annotations
@@ -80,15 +86,38 @@ class Int4Linear(Linear):
             self.order = self.order.to(device)
         n_in = codes.shape[1]
         self.group = n_in // scales.shape[1]
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1).to(device)
+        if device.type == "cuda":
+            codes = codes.to(device=device, dtype=torch.uint8)
+            pairs = codes[:, ::2] << 4 | codes[:, 1::2]
+            self.packed = torch._convert_weight_to_int4pack(pairs, _inner_k_tiles(n_in))
+            self.mm = torch._weight_int4pack_mm
+        else:
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+            self.mm = torch._weight_int4pack_mm_for_cpu
         self.scales_and_zeros = torch.stack([scales.T, ((8 - zeros) * scales).T], -1).to(dtype=dtype, device=device).contiguous()
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.order is not None:
             x = x[:, self.order]
-        y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group, self.scales_and_zeros)
+        y = self.mm(x.contiguous(), self.packed, self.group, self.scales_and_zeros)
         return y if self.bias is None else y + self.bias
+
+
+def _inner_k_tiles(n_in: int) -> int:
+    """tinygemm's tiling of the inputs: the widest of 8, 4 or 2 tiles of 16 that divides them."""
+    return next(tiles for tiles in (8, 4, 2) if n_in % (16 * tiles) == 0)
+
+
+def _int4_runs(n_out: int, n_in: int, group: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether an int4 kernel takes this weight here: groups of 32 to 256 inputs; on CUDA,
+    tinygemm's bf16 kernel (Ampere on), whose tiles want 8 output rows and 32 inputs at a time."""
+    if group not in INT4_GROUPS:
+        return False
+    if device.type == "cpu":
+        return True
+    return (device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0)
+            and n_out % 8 == 0 and n_in % 32 == 0)
 
 
 def fused(weights: list[TensorPayload], biases: list[torch.Tensor | None]) -> tuple[TensorPayload, torch.Tensor | None] | None:
@@ -116,12 +145,12 @@ def fused(weights: list[TensorPayload], biases: list[torch.Tensor | None]) -> tu
 def make_linear(weight: TensorPayload, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> Linear:
     """The fastest layer this machine has for ``weight`` (a float tensor or a quantized one)."""
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
-    if isinstance(weight, QuantizedTensor) and device.type == "cpu" and weight.spec.format == "int":
-        spec, n_in = weight.spec, weight.shape[1]
+    if isinstance(weight, QuantizedTensor) and device.type in ("cpu", "cuda") and weight.spec.format == "int":
+        spec, (n_out, n_in) = weight.spec, weight.shape
         groups = weight.scales.shape[1]
-        if spec.bits == 8 and groups == 1 and weight.group_index is None:
+        if spec.bits == 8 and groups == 1 and weight.group_index is None and device.type == "cpu":
             return Int8Linear(weight, bias, dtype, device)
-        if spec.bits == 4 and n_in // groups in INT4_GROUPS and n_in % groups == 0:
+        if spec.bits == 4 and n_in % groups == 0 and _int4_runs(n_out, n_in, n_in // groups, dtype, device):
             return Int4Linear(weight, bias, dtype, device)
     dense = (weight.dequantize() if isinstance(weight, QuantizedTensor) else weight).to(device=device, dtype=dtype)
     packs = device.type == "cpu" and torch.backends.mkldnn.is_available() and (

@@ -2,8 +2,9 @@
 turns a batch of logits into one token per sequence.
 
 Greedy rows are decided together by one argmax. Sampled rows each draw from their own
-``torch.Generator``, seeded by the request's ``seed`` (or one drawn from the engine's seed): a
-request's tokens depend on its seed alone, never on what else shares its batch.
+``torch.Generator`` on the CPU, seeded by the request's ``seed`` (or one drawn from the engine's
+seed): a request's tokens depend on its seed alone, never on what else shares its batch, and a
+CUDA engine draws as a CPU one does.
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row of ``logits`` [rows, vocab] (float32), as each row's params say."""
-    tokens = logits.argmax(-1)
-    for row, (p, gen) in enumerate(zip(params, generators)):
-        if not p.greedy:
-            tokens[row] = torch.multinomial(probabilities(logits[row], p), 1, generator=gen)[0]
+    tokens = logits.argmax(-1).cpu()
+    sampled = [row for row, p in enumerate(params) if not p.greedy]
+    if sampled:  # drawn on the CPU, where the requests' generators live, whatever device scored them
+        rows = logits[sampled].cpu()
+        for row, scores in zip(sampled, rows):
+            tokens[row] = torch.multinomial(probabilities(scores, params[row]), 1, generator=generators[row])[0]
     return tokens

@@ -120,7 +120,7 @@ class DraftProposer:
                 if seq.params.greedy:
                     token = int(logits[row].argmax())
                 else:
-                    q = probabilities(logits[row], seq.params)
+                    q = probabilities(logits[row].cpu(), seq.params)  # the generator lives on the CPU
                     token = int(torch.multinomial(q, 1, generator=seq.generator)[0])
                     dists[i].append(q)
                 guesses[i].append(token)
@@ -165,7 +165,7 @@ def verify(logits: torch.Tensor, seq: Sequence, guesses: list[int], q: torch.Ten
         while accepted < len(guesses) and guesses[accepted] == best[accepted]:
             accepted += 1
         return guesses[:accepted] + [best[accepted]], accepted
-    target = probabilities(logits, p)
+    target = probabilities(logits.cpu(), p)
     draws = torch.rand(len(guesses), generator=seq.generator).tolist()
     for i, (x, u) in enumerate(zip(guesses, draws)):
         px = float(target[i, x])

@@ -1,0 +1,89 @@
+"""The engine on a CUDA device, where one is present: int4 variants run on tinygemm's CUDA kernel
+(not a dequantized copy) and compute what their dequantized weights compute; int8 runs
+dequantized there and says so; a seeded sampled request draws the same tokens on the GPU as on
+the CPU. The rest of the engine's tests (test_engine.py, test_engine_quantized.py,
+test_speculative.py, test_server.py) run on CUDA unchanged on such a machine: the engine picks
+the device itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runner import LLM, SamplingParams
+from test_engine import prompts_from_text
+from test_engine_quantized import VARIANTS, variants  # noqa: F401  (the module's variant folders, a fixture)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+
+INT4 = [name for name, (_, _, kind) in VARIANTS.items() if kind == "int4"]
+INT8 = [name for name, (_, _, kind) in VARIANTS.items() if kind == "int8"]
+
+
+def _linears(llm):
+    return [linear for layer in llm.engine.model.layers for m in ("qkv", "o", "gate_up", "down") for linear in layer[m]]
+
+
+def _llm(path, dtype="bf16"):
+    return LLM(path, dtype=dtype, kv_memory=16 * 2**20)
+
+
+@pytest.mark.parametrize("name", INT4)
+def test_int4_variants_run_on_the_cuda_kernel_that_computes_the_dequantized_product(variants, name):  # noqa: F811
+    from formats.quantized_checkpoint import QuantizedCheckpoint
+
+    export = VARIANTS[name][1][-1]
+    llm = _llm(variants / name / export)
+    assert llm.engine.device.type == "cuda"
+    assert {linear.kind for linear in _linears(llm)} == {"int4"}
+    assert all(linear.packed.is_cuda for linear in _linears(llm))
+    # layer 0's down projection against the product of its dequantized weights, both in bf16
+    dense = QuantizedCheckpoint.open(variants / name / export).payload("model.layers.0.mlp.down_proj.weight")
+    dense = dense.dequantize().to("cuda", torch.bfloat16)
+    x = torch.randn(5, dense.shape[1], generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16)
+    ours, expected = llm.engine.model.layers[0]["down"][0](x).float(), F.linear(x, dense).float()
+    assert (ours - expected).norm() / expected.norm() < 2e-2
+
+
+@pytest.mark.parametrize("name", INT8)
+def test_int8_variants_run_dequantized_on_cuda_and_say_so(variants, name):  # noqa: F811
+    llm = _llm(variants / name / VARIANTS[name][1][-1])
+    assert all(linear.kind.startswith("dequantized int8") for linear in _linears(llm))
+
+
+@pytest.mark.parametrize("name", INT4)
+def test_the_int4_kernel_strays_from_fp32_no_further_than_bf16_itself(variants, name):  # noqa: F811
+    """bf16 rounds the kernel's products differently from a dense product's, so greedy tokens may
+    part at a near tie; before they part the distributions must agree. Measured at each prompt's
+    first next token (prefill through the kernel): the log-probabilities of fp32's 20 likeliest
+    tokens, the kernel's distance from the fp32 dense run against dense bf16's own."""
+    prompts = prompts_from_text()[:8]
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=20)
+
+    def first(path, dtype):
+        return [o.top_logprobs[0] for o in _llm(path, dtype).generate(prompts, params)]
+
+    dense = variants / name / "safetensors"
+    exact, dense_bf16, kernel = first(dense, "fp32"), first(dense, "bf16"), first(variants / name / VARIANTS[name][1][-1], "bf16")
+
+    def distance(run):
+        gaps = [abs(run[i][t] - exact[i][t]) for i in range(len(prompts)) for t in exact[i] if t in run[i]]
+        assert len(gaps) >= 0.8 * 20 * len(prompts)  # the likeliest tokens stay among the likeliest
+        return sum(gaps) / len(gaps)
+
+    assert distance(kernel) <= 3 * distance(dense_bf16) + 0.01
+
+
+def test_a_seeded_request_draws_on_cuda_what_it_draws_on_the_cpu(monkeypatch):
+    """The requests' generators live on the CPU, whatever device scores: in fp32 the two devices'
+    distributions agree to rounding, so a seed gives the same tokens on both."""
+    from conftest import TINY
+
+    prompts = prompts_from_text()[:4]
+    params = [SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, seed=seed) for seed in range(4)]
+    on_cuda = [o.token_ids for o in _llm(TINY, "fp32").generate(prompts, params)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    llm = _llm(TINY, "fp32")
+    assert llm.engine.device.type == "cpu"
+    assert [o.token_ids for o in llm.generate(prompts, params)] == on_cuda
