@@ -33,15 +33,21 @@ stdout = Console() if sys.stdout.isatty() else Console(width=160)
 def run(
     recipe: Path = typer.Argument(..., help="Recipe YAML: model, evaluation text, variants and exports."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default: the recipe's 'output', else runs/<recipe name>)."),
+    executor: Optional[str] = typer.Option(None, "--executor", help="local, ray (a local Ray started for the job) or ray=ADDRESS (a running cluster); default: the recipe's 'executor', else local."),
 ) -> None:
     """Quantize every variant of a recipe, write its files, and report before/after accuracy."""
     from evalsuite.report import table
     from recipes.pipeline import run_recipe
-    from recipes.schema import load_recipe
+    from recipes.schema import check_executor, load_recipe
 
+    if executor is not None:
+        try:
+            check_executor(executor)
+        except ValueError as e:
+            raise InputError(f"--executor: {e}") from None
     spec = load_recipe(recipe)
     out_dir = out or spec.output or Path("runs") / recipe.stem
-    report = run_recipe(spec, out_dir, console)
+    report = run_recipe(spec, out_dir, console, executor)
     stdout.print(table(report))
     stdout.print(escape(f"Report: {out_dir / 'report.md'}  {out_dir / 'report.html'}  {out_dir / 'report.json'}"))
 

@@ -7,7 +7,8 @@ variant are scored as their layers stream (evalsuite/streamed.py), never loaded 
 original's distributions are kept on disk for the variants' KLD (evalsuite/reference.py).
 Everything a user could get wrong is checked before the
 first tensor is touched. A rerun into the same output folder keeps every variant whose inputs are
-unchanged since it last finished (recipes/resume.py) and redoes the rest.
+unchanged since it last finished (recipes/resume.py) and redoes the rest. The variants are built
+one after another here, or as Ray tasks (recipes/ray_executor.py), by the same ``run_variant``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import shutil
 import time
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -39,16 +41,18 @@ from quant.kv_cache import simulated_kv_cache
 from quant.types import InputError
 from recipes import lm_eval_tasks
 from recipes.importance import model_imatrix
+from recipes.methods import Imatrix, method_of
 from recipes.lm_eval_tasks import LMEvalTask
 from recipes.resume import ORIGINAL, RECORD, REFERENCE, SOURCE, Keys, finished, path_size, record, training_checkpoint
-from recipes.methods import method_of
-from recipes.schema import SOURCE_ROW, Calibration, Recipe, Variant, check_against_model
+from recipes.schema import LOCAL, SOURCE_ROW, Calibration, Recipe, Variant, check_against_model, ray_address
 from recipes.speed import engine_source
 from recipes.variants import FOLDER_EXPORTS, activation_modules, build_variant, export_paths, plan_variant
 
 
-def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
-    """Run the job into ``out_dir``, which it holds locked for the while (formats/outputs.py)."""
+def run_recipe(recipe: Recipe, out_dir: Path, console: Console, executor: str | None = None) -> Report:
+    """Run the job into ``out_dir``, which it holds locked for the while (formats/outputs.py), its
+    variants built where ``executor`` (default: the recipe's) says (recipes/ray_executor.py)."""
+    executor = executor or recipe.executor
     check_output_path(out_dir, folder=True)
     ckpt = open_checkpoint(recipe.model)
     check_against_model(recipe, ckpt.arch)
@@ -57,25 +61,41 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console) -> Report:
         raise InputError(f"field 'reference': {recipe.reference} ({baseline.arch.layers} layers, vocabulary "
                          f"{baseline.arch.vocab}) is not the original of {recipe.model} ({ckpt.arch.layers} layers, "
                          f"vocabulary {ckpt.arch.vocab})")
-    specs = recipe.evaluation.tasks
-    ours = {t.name: load_task(Path(t.task), t.name, t.limit, t.num_fewshot or 0) for t in specs if not t.runs_in_lm_eval}
-    theirs = {t.name: t for t in lm_eval_tasks.prepare([t for t in specs if t.runs_in_lm_eval])}
-    tasks = [ours.get(t.name) or theirs[t.name] for t in specs]
+    tasks = load_tasks(recipe)
     for v in recipe.variants:  # fails fast on any mismatch with the model, and on any path it cannot write
         plan_variant(ckpt, v, getattr(v.weights, "imatrix", False))
         for export, path in export_paths(ckpt, v, out_dir).items():
             check_output_path(path, folder=export in FOLDER_EXPORTS)
-    with folder_lock(out_dir) as killed:
+    with _executor(executor, recipe) as on_ray, folder_lock(out_dir) as killed:
         if killed:
             console.print(f"{out_dir}: taking over from a job that did not finish (pid {killed['pid']} on {killed['host']}, "
                           f"since {killed['since']}); its partial files are removed", markup=False, highlight=False)
-        return _run(recipe, ckpt, baseline, tasks, out_dir, console)
+        return _run(recipe, ckpt, baseline, tasks, out_dir, console, on_ray)
+
+
+def _executor(executor: str, recipe: Recipe) -> AbstractContextManager[dict[str, dict] | None]:
+    """Inside, the job's variants can be built where ``executor`` says: here (None), or on Ray
+    (each variant's resource request, recipes/ray_executor.py)."""
+    if executor == LOCAL:
+        return nullcontext()
+    from recipes.ray_executor import joined
+
+    return joined(ray_address(executor), recipe)
+
+
+def load_tasks(recipe: Recipe) -> list[Task | LMEvalTask]:
+    """The recipe's tasks, in its order: ours read from their files, lm-eval's built by lm-eval."""
+    specs = recipe.evaluation.tasks
+    ours = {t.name: load_task(Path(t.task), t.name, t.limit, t.num_fewshot or 0) for t in specs if not t.runs_in_lm_eval}
+    theirs = {t.name: t for t in lm_eval_tasks.prepare([t for t in specs if t.runs_in_lm_eval])}
+    return [ours.get(t.name) or theirs[t.name] for t in specs]
 
 
 def _run(recipe: Recipe, ckpt: Source, baseline: Source | None, tasks: list[Task | LMEvalTask], out_dir: Path,
-         console: Console) -> Report:
+         console: Console, on_ray: dict[str, dict] | None) -> Report:
     """Score the original (``baseline``, the reference, where given; else ``ckpt`` itself), then
-    ``ckpt`` against it when they differ, then each variant of ``ckpt``."""
+    ``ckpt`` against it when they differ, then each variant of ``ckpt``: here, or as Ray tasks
+    with the resources ``on_ray`` requests for each."""
     tokenizer = load_tokenizer(ckpt)
     ev = recipe.evaluation
     windows = token_windows(tokenizer, ev.text, ev.window, ev.max_windows)
@@ -106,41 +126,19 @@ def _run(recipe: Recipe, ckpt: Source, baseline: Source | None, tasks: list[Task
         if needs_imatrix:
             imatrix = _tracked(progress, "importance matrix", ckpt.arch.layers,
                                lambda tick: model_imatrix(ckpt, calib_windows, tick))
+        shared = VariantJob(recipe, out_dir, windows, calib_windows, store, imatrix, original.scores.ppl)
+        variant_keys = {v.name: keys.variant(v) for v in todo}
+        if on_ray is None:
+            opened = Opened(ckpt, tokenizer, tasks)
+            built = {v.name: run_variant(shared, v, variant_keys[v.name], opened, progress) for v in todo}
+        else:
+            from recipes.ray_executor import run_on_ray
+
+            built = run_on_ray(shared, todo, variant_keys, on_ray, console, progress)
         rows = [original] + ([source_row] if source_row is not None else [])
         for variant in recipe.variants:
-            if kept[variant.name] is not None:
-                row = kept[variant.name]
-                row.ppl_delta = row.scores.ppl - original.scores.ppl
-                rows.append(row)
-                continue
-            done = out_dir / variant.name / RECORD
-            done.unlink(missing_ok=True)  # a crash from here on must not leave the old record standing
-            start = time.perf_counter()
-            uses = imatrix if getattr(variant.weights, "imatrix", False) else None
-            checkpoint = training_checkpoint(out_dir, variant, keys.variant(variant))
-            # the variant's files get their names once it is scored; its kept weights are scratch
-            with Outputs() as outputs, Outputs() as scratch:
-                built = build_variant(ckpt, variant, out_dir, progress, imatrix=uses, calibration=calib_windows,
-                                      outputs=outputs, checkpoint=checkpoint,
-                                      keep=scratch.stage(out_dir / variant.name / ".weights"))
-                weights, bits, files = built.weights, built.bits_per_weight, built.files
-                statistics, errors, measure = built.input_statistics, built.linear_errors, built.error_measure
-                scores = _tracked(progress, f"{variant.name}: evaluate", len(windows),
-                                  lambda tick: _variant_scores(weights, variant, windows, store, tick))
-                engine = engine_source(ckpt.path, variant, files)
-                if not isinstance(engine, str) and engine[0] != ckpt.path:  # its export, still staged
-                    engine = (outputs.staged(engine[0]), engine[1])
-                answers = _variant_tasks(progress, weights, variant, tokenizer, tasks, engine) if tasks else {}
-                outputs.commit()
-            shutil.rmtree(checkpoint, ignore_errors=True)
-            row = VariantRow(
-                variant.name, _describe(variant), bits, _size_mb(ckpt, bits), scores,
-                ppl_delta=scores.ppl - original.scores.ppl, seconds=time.perf_counter() - start,
-                files=[_file_entry(f, out_dir) for f in files], input_statistics=statistics, tasks=answers,
-                linear_errors=errors, error_measure=measure,
-                speed=_speed(progress, recipe, ckpt, variant, files, tokenizer),
-            )
-            record(done, keys.variant(variant), row)
+            row = kept[variant.name] or built[variant.name]
+            row.ppl_delta = row.scores.ppl - original.scores.ppl
             rows.append(row)
         job.commit()
 
@@ -155,6 +153,68 @@ def _run(recipe: Recipe, ckpt: Source, baseline: Source | None, tasks: list[Task
     if source_row is not None:
         record(out_dir / SOURCE, keys.original(), source_row)
     return report
+
+
+@dataclass(frozen=True)
+class VariantJob:
+    """What every variant of a job is built and scored from, made once by the job: picklable, so a
+    Ray task gets the same (the store by its path, on the shared disk)."""
+
+    recipe: Recipe
+    out_dir: Path
+    windows: torch.Tensor
+    calibration: torch.Tensor | None
+    store: ReferenceStore | None  # None when no variant is to be built
+    imatrix: Imatrix | None
+    original_ppl: float
+
+
+@dataclass(frozen=True)
+class Opened:
+    """The job's model, tokenizer and tasks, as opened in the process that builds a variant."""
+
+    ckpt: Source
+    tokenizer: object
+    tasks: list[Task | LMEvalTask]
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> "Opened":
+        ckpt = open_checkpoint(recipe.model)
+        return cls(ckpt, load_tokenizer(ckpt), load_tasks(recipe))
+
+
+def run_variant(job: VariantJob, variant: Variant, key: str, opened: Opened, progress: Progress) -> VariantRow:
+    """Build, export and score one variant, commit its files and record it under ``key``
+    (recipes/resume.py): the whole of a variant's work, the same in the local loop and a Ray task."""
+    out_dir, ckpt, tokenizer, tasks = job.out_dir, opened.ckpt, opened.tokenizer, opened.tasks
+    done = out_dir / variant.name / RECORD
+    done.unlink(missing_ok=True)  # a crash from here on must not leave the old record standing
+    start = time.perf_counter()
+    uses = job.imatrix if getattr(variant.weights, "imatrix", False) else None
+    checkpoint = training_checkpoint(out_dir, variant, key)
+    # the variant's files get their names once it is scored; its kept weights are scratch
+    with Outputs() as outputs, Outputs() as scratch:
+        built = build_variant(ckpt, variant, out_dir, progress, imatrix=uses, calibration=job.calibration,
+                              outputs=outputs, checkpoint=checkpoint,
+                              keep=scratch.stage(out_dir / variant.name / ".weights"))
+        weights, bits, files = built.weights, built.bits_per_weight, built.files
+        scores = _tracked(progress, f"{variant.name}: evaluate", len(job.windows),
+                          lambda tick: _variant_scores(weights, variant, job.windows, job.store, tick))
+        engine = engine_source(ckpt.path, variant, files)
+        if not isinstance(engine, str) and engine[0] != ckpt.path:  # its export, still staged
+            engine = (outputs.staged(engine[0]), engine[1])
+        answers = _variant_tasks(progress, weights, variant, tokenizer, tasks, engine) if tasks else {}
+        outputs.commit()
+    shutil.rmtree(checkpoint, ignore_errors=True)
+    row = VariantRow(
+        variant.name, _describe(variant), bits, _size_mb(ckpt, bits), scores,
+        ppl_delta=scores.ppl - job.original_ppl, seconds=time.perf_counter() - start,
+        files=[_file_entry(f, out_dir) for f in files], input_statistics=built.input_statistics, tasks=answers,
+        linear_errors=built.linear_errors, error_measure=built.error_measure,
+        speed=_speed(progress, job.recipe, ckpt, variant, files, tokenizer),
+    )
+    record(done, key, row)
+    return row
 
 
 def _source_row(progress: Progress, recipe: Recipe, name: str, ckpt: Source, reference: ReferenceStore | None,

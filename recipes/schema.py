@@ -464,6 +464,22 @@ class Budget(_Strict):
 
 SOURCE_ROW = "source"  # the report's row of ``model`` when ``reference`` is its baseline
 
+LOCAL = "local"  # the executor that builds the variants one after another in the job's process
+_RAY = "ray"
+
+
+def check_executor(executor: str) -> str:
+    """``local``, ``ray`` (a local Ray started for the job) or ``ray=ADDRESS`` (a running cluster's,
+    as ``ray.init`` takes it): the recipe's ``executor`` and the CLI's ``--executor`` alike."""
+    if executor not in (LOCAL, _RAY) and not (executor.startswith(_RAY + "=") and executor[len(_RAY) + 1:].strip()):
+        raise ValueError(f"'{executor}' is not local, ray or ray=ADDRESS (e.g. ray=ray://head:10001)")
+    return executor
+
+
+def ray_address(executor: str) -> str | None:
+    """The cluster address of a ``ray=ADDRESS`` executor; None for ``ray`` (a local Ray)."""
+    return executor.partition("=")[2] or None
+
 
 class Recipe(_Strict):
     model: FilePath
@@ -476,6 +492,23 @@ class Recipe(_Strict):
     speed: Speed | None = None
     budget: Budget | None = None
     goal: Literal["smallest", "fastest"] = "smallest"  # which variant within the budget to recommend
+    executor: Annotated[str, AfterValidator(check_executor)] = LOCAL  # where the variants are built
+
+    def based_at(self, base: Path) -> "Recipe":
+        """The recipe with its relative paths taken as relative to ``base`` (the recipe's folder;
+        the working directory, for a worker that has another)."""
+        return self.model_copy(
+            update={
+                "model": base / self.model,
+                "reference": base / self.reference if self.reference else None,
+                "evaluation": self.evaluation.model_copy(update={
+                    "text": base / self.evaluation.text,
+                    "tasks": [t.resolved(base) for t in self.evaluation.tasks]}),
+                "calibration": self.calibration.model_copy(update={"text": base / self.calibration.text})
+                if self.calibration else None,
+                "output": base / self.output if self.output else None,
+            }
+        )
 
     @model_validator(mode="after")
     def _calibrated_variants_need_calibration(self) -> "Recipe":
@@ -543,19 +576,7 @@ def load_recipe(path: Path) -> Recipe:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
         raise InputError(f"{path}: {_first_error(e, data)}") from None
-    base = path.parent
-    return recipe.model_copy(
-        update={
-            "model": base / recipe.model,
-            "reference": base / recipe.reference if recipe.reference else None,
-            "evaluation": recipe.evaluation.model_copy(update={
-                "text": base / recipe.evaluation.text,
-                "tasks": [t.resolved(base) for t in recipe.evaluation.tasks]}),
-            "calibration": recipe.calibration.model_copy(update={"text": base / recipe.calibration.text})
-            if recipe.calibration else None,
-            "output": base / recipe.output if recipe.output else None,
-        }
-    )
+    return recipe.based_at(path.parent)
 
 
 _SHORT = {"bits": "w", "group_size": "g"}  # how a matrix names its variants: gptq-w4-g128
