@@ -126,7 +126,8 @@ def _run(recipe: Recipe, ckpt: Source, baseline: Source | None, tasks: list[Task
         if needs_imatrix:
             imatrix = _tracked(progress, "importance matrix", ckpt.arch.layers,
                                lambda tick: model_imatrix(ckpt, calib_windows, tick))
-        shared = VariantJob(recipe, out_dir, windows, calib_windows, store, imatrix, original.scores.ppl)
+        shared = VariantJob(recipe, out_dir, windows, calib_windows, store, imatrix, original.scores.ppl,
+                            torch.get_num_threads())
         variant_keys = {v.name: keys.variant(v) for v in todo}
         if on_ray is None:
             opened = Opened(ckpt, tokenizer, tasks)
@@ -167,6 +168,7 @@ class VariantJob:
     store: ReferenceStore | None  # None when no variant is to be built
     imatrix: Imatrix | None
     original_ppl: float
+    threads: int  # torch's threads in the job's process: GPTQ's float32 sums, and so its files, depend on it
 
 
 @dataclass(frozen=True)

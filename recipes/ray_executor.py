@@ -10,7 +10,10 @@ shares this machine's disk), with quantbench installed on every node.
 
 Each task asks for 1 CPU, the memory ``quantize fit --quantizing`` estimates for its pass
 (runner/fit/quantize_memory.py; a scheduling hint, which Ray does not enforce), and 1 GPU where
-the cluster has any (a variant runs on CUDA wherever torch sees a GPU, calib/streaming.py).
+the cluster has any (a variant runs on CUDA wherever torch sees a GPU, calib/streaming.py). It
+computes on as many torch threads as the driver does, whatever Ray gives a worker (one thread a
+CPU): GPTQ's float32 sums, and so its files, depend on the thread count, and a variant's files
+must be the bytes a local run writes.
 
 A worker that dies is replaced and its task retried by Ray (``_RETRIES`` times): the variant
 starts over, the dead writer's partial files swept as the retry stages the same paths
@@ -33,6 +36,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
+import torch
 from rich.console import Console
 from rich.progress import Progress
 
@@ -137,6 +141,7 @@ def _variant_task(job: VariantJob, variant: Variant, key: str) -> VariantRow:
                          "folder (and the model and texts) on a filesystem they all mount at the same path")
     marker = _marker(job, variant)
     marker.write_text(json.dumps({"pid": os.getpid(), "host": host}))
+    torch.set_num_threads(job.threads)
     try:
         return run_variant(job, variant, key, Opened.of(job.recipe), Progress(disable=True))
     finally:
