@@ -39,8 +39,9 @@ class VariantWeights:
         return name in self._held
 
     def payload(self, name: str) -> TensorPayload:
+        """The tensor as its quantizer made it, or as the base stores it where none was put here."""
         if name not in self._held:
-            raise KeyError(f"{self.folder}: holds no tensor '{name}'")
+            return self.base.payload(name)
         with safe_open(self._file(name), "pt") as f:
             return _decode({k: f.get_tensor(k) for k in f.keys()}, f.metadata())
 
