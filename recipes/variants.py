@@ -208,6 +208,7 @@ def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None, pro
             statistics.update(layer.statistics)
             errors.update(layer.errors)
             progress.advance(task)
+            del layer  # on disk now: not held while the next layer is fitted
     finally:
         progress.remove_task(task)
     return statistics, errors
