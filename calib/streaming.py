@@ -22,6 +22,7 @@ import torch
 from calib.layerwise import LayerInputs, decoder_layers, first_layer_inputs, layers_prefix, run_layer
 from formats.architecture import meta_model, transformers_config
 from formats.hf import HFCheckpoint
+from quant.types import GGMLTensor, TensorPayload, dequantized, float_rows
 
 T = TypeVar("T")
 
@@ -82,7 +83,7 @@ def walk_layers(ckpt: HFCheckpoint, model: torch.nn.Module, windows: torch.Tenso
     _map_large_allocations()
     device = working_device()
     embedding = model.get_input_embeddings()
-    _load(ckpt, embedding, _name_of(model, embedding), device)
+    _load_embedding(ckpt, embedding, _name_of(model, embedding), windows, device)
     inputs = first_layer_inputs(model, windows.to(device))
     embedding.to("meta")
     layers = decoder_layers(model)
@@ -111,15 +112,34 @@ def float_logits(ckpt: HFCheckpoint, windows: torch.Tensor, chunk: int = 4,
         if index == last:
             hidden = run_layer(step.layer, step.inputs)
     device = working_device()
-    norm, head = model.get_decoder().norm, model.get_output_embeddings()
+    norm = model.get_decoder().norm
     _load(ckpt, norm, _name_of(model, norm), device)
-    head_name = _name_of(model, model.get_input_embeddings()) if ckpt.arch.tied_embeddings else _name_of(model, head)
-    weight = ckpt.tensor(head_name + "weight").to(device=device, dtype=torch.float32)
+    head_name = _name_of(model, model.get_input_embeddings() if ckpt.arch.tied_embeddings else model.get_output_embeddings())
+    head = _head(ckpt, head_name + "weight", device)
+    vocab = ckpt.shape(head_name + "weight")[0]
+    step = max(1, _HEAD_SLICE // hidden.shape[-1])
     cap = ckpt.arch.final_softcap
     with torch.inference_mode():
         for i in range(0, len(hidden), chunk):
-            logits = norm(hidden[i : i + chunk]) @ weight.T
-            yield logits if cap is None else torch.tanh(logits / cap) * cap  # Gemma 2's final soft-cap
+            x = norm(hidden[i : i + chunk])
+            logits = torch.empty(*x.shape[:-1], vocab, dtype=torch.float32, device=device)
+            for start in range(0, vocab, step):
+                logits[..., start : start + step] = x @ float_rows(head, slice(start, start + step)).to(device).T
+            yield logits if cap is None else logits.div_(cap).tanh_().mul_(cap)  # Gemma 2's final soft-cap
+
+
+# Weights of the output head converted to float32 at a time (64 MiB): 4096 of Llama 3's 128256 rows.
+_HEAD_SLICE = 2**24
+
+
+def _head(ckpt: HFCheckpoint, name: str, device: torch.device) -> TensorPayload:
+    """The output head as the checkpoint stores it (bfloat16, ggml blocks), for ``float_logits``
+    to multiply by in float32 a slice of rows at a time: an 8B model's head is 2 GiB in float32,
+    half that in bfloat16, a fifth as Q6_K. Payloads that decode only whole are decoded once."""
+    payload = ckpt.payload(name)
+    if isinstance(payload, GGMLTensor):
+        return payload
+    return payload.to(device) if isinstance(payload, torch.Tensor) else dequantized(payload).to(device)
 
 
 @functools.cache
@@ -156,6 +176,19 @@ def _load(ckpt: HFCheckpoint, module: torch.nn.Module, prefix: str, device: torc
     """Replace the module's meta parameters by the checkpoint's tensors, as float32 on ``device``."""
     state = {name: ckpt.tensor(prefix + name).to(device=device, dtype=torch.float32) for name, _ in module.named_parameters()}
     module.load_state_dict(state, strict=True, assign=True)
+
+
+def _load_embedding(ckpt: HFCheckpoint, embedding: torch.nn.Module, prefix: str, windows: torch.Tensor,
+                    device: torch.device) -> None:
+    """The input embedding as ``_load`` gives it, but with only the rows of the tokens in ``windows``
+    converted to float32 and written: the others are allocated and never touched, so their pages
+    never become resident (an 8B model's embedding is 2 GiB in float32, and the evaluation's
+    windows use a few thousand of its 128256 rows). Nothing but those rows is ever looked up."""
+    name = prefix + "weight"
+    ids = windows.unique()
+    weight = torch.empty(ckpt.shape(name), dtype=torch.float32, device=device)
+    weight[ids.to(device)] = float_rows(ckpt.payload(name), ids).to(device)
+    embedding.load_state_dict({"weight": weight}, strict=True, assign=True)
 
 
 def _name_of(model: torch.nn.Module, module: torch.nn.Module) -> str:

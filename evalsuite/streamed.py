@@ -31,7 +31,8 @@ def streamed_scores(ckpt: Source, windows: torch.Tensor, reference: ReferenceSto
         writer = ReferenceWriter(outputs, keep, windows, ckpt.arch.vocab, top_k, key) if keep is not None else None
         index = 0
         for logits in float_logits(ckpt, windows, chunk, model):
-            for logp in torch.log_softmax(logits[:, :-1].float(), -1):
+            for window in logits:  # one window's log-probabilities at a time: [tokens - 1, vocab]
+                logp = torch.log_softmax(window[:-1].float(), -1)
                 acc.add(logp, windows[index, 1:].to(logp.device), reference.window(index).to(logp.device) if reference else None)
                 if writer is not None:
                     writer.add(index, logp)

@@ -346,15 +346,21 @@ class SafetensorsFolderWriter:
         self.source = source
         self._next = 0
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, tensor: torch.Tensor, cast: bool = False) -> None:
+        """Append the next tensor of the plan; with ``cast``, a tensor of another dtype is cast to
+        the planned one. Written a slice of rows at a time, each cast alone and handed to the file
+        as it is, so an 8B model's embedding costs no second copy (1 GiB in float16)."""
         if self._next == len(self._plan) or self._plan[self._next][0] != name:
             expected = self._plan[self._next][0] if self._next < len(self._plan) else "nothing more"
             raise RuntimeError(f"tensor '{name}' arrived out of plan order (expected '{expected}')")
         _, dtype, shape = self._plan[self._next]
-        if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+        if (tensor.dtype != dtype and not cast) or tuple(tensor.shape) != tuple(shape):
             raise RuntimeError(f"tensor '{name}' is {tensor.dtype} {tuple(tensor.shape)}, planned {dtype} {tuple(shape)}")
         self._next += 1
-        self._file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 1 else tensor.reshape(1, -1)
+        step = max(1, _WRITE_SLICE // max(1, rows.shape[1]))
+        for start in range(0, rows.shape[0], step):
+            self._file.write(rows[start : start + step].to(dtype).contiguous().view(torch.uint8).numpy())
 
     def finish(self) -> Path:
         self._file.close()
@@ -366,6 +372,9 @@ class SafetensorsFolderWriter:
     def abort(self) -> None:
         self._file.close()
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+_WRITE_SLICE = 2**24  # values written at a time by ``SafetensorsFolderWriter.write``
 
 
 def export_config(source: HFCheckpoint, dtype: torch.dtype) -> dict:
@@ -384,7 +393,7 @@ class DenseSafetensorsWriter:
         self._folder = SafetensorsFolderWriter(path, [(n, dtype, tuple(s)) for n, s in plan], export_config(source, dtype), source)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        self._folder.write(name, tensor.to(self.dtype))
+        self._folder.write(name, tensor, cast=True)
 
     def finish(self) -> Path:
         return self._folder.finish()

@@ -90,13 +90,19 @@ class QuantizedFolderWriter:
             return
         if not isinstance(payload, torch.Tensor):
             raise InputError(f"{self.export} export: tensor '{name}' is quantized but not a Linear weight the variant targets")
-        if payload.is_floating_point() and payload.abs().max() > torch.finfo(self.float_dtype).max:
+        if payload.is_floating_point() and _magnitude(payload) > torch.finfo(self.float_dtype).max:
             raise InputError(f"{self.export} export: tensor '{name}' exceeds the {self.float_dtype} range")
         for part, rows in self._parts(name, tuple(payload.shape)):
-            self._folder.write(part, (payload if rows is None else payload[rows]).to(self.float_dtype))
+            self._folder.write(part, payload if rows is None else payload[rows], cast=True)
 
     def finish(self) -> Path:
         return self._folder.finish()
 
     def abort(self) -> None:
         self._folder.abort()
+
+
+def _magnitude(tensor: torch.Tensor) -> float:
+    """The largest ``|value|``, without the copy ``tensor.abs()`` makes (an 8B embedding: 1 GiB)."""
+    low, high = torch.aminmax(tensor)
+    return max(-float(low), float(high))

@@ -39,8 +39,9 @@ class VariantWeights:
         return name in self._held
 
     def payload(self, name: str) -> TensorPayload:
+        """The tensor as its quantizer made it, or as the base stores it where none was put here."""
         if name not in self._held:
-            raise KeyError(f"{self.folder}: holds no tensor '{name}'")
+            return self.base.payload(name)
         with safe_open(self._file(name), "pt") as f:
             return _decode({k: f.get_tensor(k) for k in f.keys()}, f.metadata())
 
@@ -86,7 +87,10 @@ def _encode(payload: TensorPayload) -> tuple[dict[str, torch.Tensor], dict[str, 
         tensors = _quantized(payload.base, "base.") | {"columns": payload.columns, "dense": payload.dense}
         return tensors, {"kind": "mixed", "spec": json.dumps(asdict(payload.base.spec))}
     if isinstance(payload, GGMLTensor):
-        tensors = {"raw": torch.from_numpy(np.array(payload.raw))}  # a copy: the raw blocks may be read-only
+        # copied where torch cannot take the array (read-only) or safetensors would refuse it (an
+        # F32 source tensor's values share its bytes); else saved as it is (an 8B head: 430 MB)
+        shared = isinstance(payload, StoredGGMLTensor) or not payload.raw.flags.writeable
+        tensors = {"raw": torch.from_numpy(np.array(payload.raw) if shared else payload.raw)}
         if isinstance(payload, StoredGGMLTensor):
             tensors["values"] = payload.values
         return tensors, {"kind": "ggml", "ggml_type": payload.ggml_type, "shape": json.dumps(list(payload.shape))}

@@ -205,6 +205,14 @@ class GGMLTensor:
             out[start : start + step] = dequantize(raw[start : start + step], kind).reshape(-1, out.shape[1])
         return torch.from_numpy(out).reshape(self.shape)
 
+    def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
+        """float32 values of the rows ``index`` picks (a slice, or row numbers) of the weight as
+        ``[rows, last dimension]``, decoding only those: an output head read a slice at a time."""
+        raw = self.raw.reshape(-1, self.raw.shape[-1])
+        picked = raw[index] if isinstance(index, slice) else raw[index.cpu().numpy()]
+        values = dequantize(picked, GGMLQuantizationType[self.ggml_type]).reshape(-1, self.shape[-1])
+        return torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
+
     @property
     def bits_per_weight(self) -> float:
         return 8.0 * self.raw.nbytes / int(np.prod(self.shape))
@@ -224,6 +232,9 @@ class StoredGGMLTensor(GGMLTensor):
     def dequantize(self) -> torch.Tensor:
         return self.values
 
+    def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
+        return self.values.reshape(-1, self.shape[-1])[index]
+
 
 # What a quantizer hands downstream for one tensor: left as it was, integer-quantized (possibly with
 # 16-bit outlier columns), or ggml-encoded.
@@ -235,6 +246,19 @@ def dequantized(payload: TensorPayload) -> torch.Tensor:
     if isinstance(payload, torch.Tensor):
         return payload.to(torch.float32)
     return payload.dequantize()
+
+
+def float_rows(payload: TensorPayload, index: slice | torch.Tensor) -> torch.Tensor:
+    """The float32 rows ``index`` picks (a slice, or row numbers) of the weights a payload stands
+    for, as ``[rows, last dimension]``. A float tensor's rows and ggml blocks' are converted alone,
+    so that an 8B model's 128256-row embedding or head need not be in float32 whole (2 GiB); other
+    payloads are decoded whole first (a caller taking many slices of one decodes it once)."""
+    if isinstance(payload, torch.Tensor):
+        return payload.reshape(-1, payload.shape[-1])[index].to(torch.float32)
+    if isinstance(payload, GGMLTensor):
+        return payload.rows(index)
+    whole = payload.dequantize()
+    return whole.reshape(-1, whole.shape[-1])[index]
 
 
 class LayerResult(NamedTuple):

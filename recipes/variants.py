@@ -97,7 +97,6 @@ def _build(ckpt: HFCheckpoint, variant: Variant, out_dir: Path, progress: Progre
     statistics, errors = _fit(ckpt, variant, calibration, progress, checkpoint, fitted)
     compares = method.compares_weights and variant.activations is None
     measure = OUTPUT_ERROR if errors else WEIGHT_ERROR if compares and kept is not None else None
-    dense = measure == WEIGHT_ERROR or "safetensors" in variant.exports
     linears = set(ckpt.linear_modules)
     files = export_paths(ckpt, variant, out_dir, gguf_path)
     writers: list = []
@@ -116,10 +115,13 @@ def _build(ckpt: HFCheckpoint, variant: Variant, out_dir: Path, progress: Progre
                 payload = method.quantize(ckpt, variant, plan, name, source, imatrix)
                 if kept is not None:
                     kept.put(name, payload)
-            weights = dequantized(payload) if dense else None
+            # float32 weights only where a dense export or the weight error takes them: an 8B
+            # model's embedding and head (no decoder Linears, so no weight error) are 2 GiB each
+            compared = measure == WEIGHT_ERROR and name.removesuffix(".weight") in linears
+            weights = dequantized(payload) if compared or "safetensors" in variant.exports else None
             for w in writers:
                 w.add(name, weights if isinstance(w, DenseSafetensorsWriter) else payload)
-            if measure == WEIGHT_ERROR and name.removesuffix(".weight") in linears:
+            if compared:
                 errors[name.removesuffix(".weight")] = relative_error(ckpt.tensor(name) if source is None else source, weights)
             n = _numel(ckpt.shape(name))
             bits += _bits(payload) * n
@@ -206,6 +208,7 @@ def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None, pro
             statistics.update(layer.statistics)
             errors.update(layer.errors)
             progress.advance(task)
+            del layer  # on disk now: not held while the next layer is fitted
     finally:
         progress.remove_task(task)
     return statistics, errors

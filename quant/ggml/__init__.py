@@ -49,21 +49,46 @@ def encode(weight: torch.Tensor, ggml_type: str, name: str = "tensor", imatrix: 
     """Encode a float tensor in ``ggml_type`` (rows along the last dimension).
 
     ``imatrix`` holds one importance value per input column (mean squared activation), used by
-    the types whose llama.cpp quantizer takes one.
+    the types whose llama.cpp quantizer takes one. The rows are encoded ``_ENCODE_CHUNK`` weights
+    at a time, each chunk in float32 only while it is encoded: every ggml type encodes its rows
+    independently, so the bytes are those of the whole tensor at once, and an 8B model's
+    128256x4096 embedding is never in float32 whole (2 GiB, beside its bytes and the encoders'
+    intermediates).
     """
-    data = np.ascontiguousarray(weight.to(torch.float32).numpy())
-    if not np.isfinite(data).all():
-        raise InputError(f"{name}: weights contain NaN or Inf")
     if ggml_type in _IGNORE_IMATRIX:
         imatrix = None
     encoder = _KQUANTS.get(ggml_type) or (_LEGACY_WITH_IMATRIX.get(ggml_type) if imatrix is not None else None)
+    rows = weight.reshape(-1, weight.shape[-1]) if weight.dim() > 1 else weight.reshape(1, -1)
+    step = max(1, _ENCODE_CHUNK // max(1, rows.shape[1]))
+    out = None
+    for start in range(0, max(1, rows.shape[0]), step):
+        raw = _encode_rows(_float32(rows[start : start + step], name), ggml_type, encoder, imatrix)
+        if out is None:
+            out = np.empty((rows.shape[0], *raw.shape[1:]), raw.dtype)
+        out[start : start + step] = raw
+    raw = out if encoder else out.reshape(*weight.shape[:-1], *out.shape[1:])
+    return GGMLTensor(ggml_type=ggml_type, raw=raw, shape=tuple(weight.shape))
+
+
+# Weights encoded at a time (64 MiB in float32): large enough that the worker processes split
+# each chunk (``_MIN_VALUES_PER_WORKER``), small beside an embedding.
+_ENCODE_CHUNK = 2**24
+
+
+def _float32(rows: torch.Tensor, name: str) -> np.ndarray:
+    """Rows of a weight as a contiguous float32 array, refused by name if any is NaN or Inf."""
+    data = np.ascontiguousarray(rows.to(torch.float32).numpy())
+    if not np.isfinite(data).all():
+        raise InputError(f"{name}: weights contain NaN or Inf")
+    return data
+
+
+def _encode_rows(rows: np.ndarray, ggml_type: str, encoder: tuple[str, str] | None, imatrix: np.ndarray | None) -> np.ndarray:
+    """The ggml bytes (or floats) of ``rows [n, width]``: ``[n, row bytes]`` (``[n, width]``)."""
     if encoder:
         module, function = encoder
-        rows = data.reshape(-1, data.shape[-1])
-        raw = _by_row_blocks(getattr(import_module(module), function), rows, imatrix)
-    else:
-        raw = quantize(data, GGMLQuantizationType[ggml_type])
-    return GGMLTensor(ggml_type=ggml_type, raw=raw, shape=tuple(weight.shape))
+        return _by_row_blocks(getattr(import_module(module), function), rows, imatrix)
+    return quantize(rows, GGMLQuantizationType[ggml_type])
 
 
 # Below this many super-blocks per worker, the cost of shipping the rows to a worker process

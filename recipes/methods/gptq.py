@@ -18,6 +18,7 @@ class GPTQ(WeightMethod):
         for results in gptq_model(ckpt, windows, w.spec, w.settings, w.targets, w.ignore):
             yield LayerResult({n: r.tensor for n, r in results.items()}, {},
                               {n.removesuffix(".weight"): r.output_error for n, r in results.items()})
+            del results  # not held while the next layer is fitted (an 8B layer's codes: 220 MB)
 
     def layer_quantizer(self, ckpt, weights):
         chosen = set(chosen_modules(ckpt, weights))
