@@ -360,7 +360,7 @@ class SafetensorsFolderWriter:
         rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 1 else tensor.reshape(1, -1)
         step = max(1, _WRITE_SLICE // max(1, rows.shape[1]))
         for start in range(0, rows.shape[0], step):
-            self._file.write(rows[start : start + step].to(dtype).contiguous().view(torch.uint8).numpy())
+            self._file.write(rows[start : start + step].to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy())
 
     def finish(self) -> Path:
         self._file.close()
