@@ -39,7 +39,7 @@ def main() -> None:
 
     from ggml_oracle import llama_quantize_file
     from formats.hf import HFCheckpoint
-    from quant.ggml import FILE_TYPES
+    from core.file_types import FILE_TYPES
     from recipes.variants import build_variant, gguf_variant
 
     # quantbench uses the cores it may run on: pin both sides to the same --threads cores.

@@ -52,9 +52,9 @@ LIMIT_MIB = 4096
 _WALK_AND_REPORT_PEAKS = """
 import itertools, json, resource, sys, time
 import torch
+from core.schemes import QuantSpec
 from formats.hf import HFCheckpoint
 from quant.gptq_model import gptq_model
-from quant.types import QuantSpec
 
 from quant.qat import QATSettings, qat_model
 

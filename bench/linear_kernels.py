@@ -59,7 +59,7 @@ def main() -> None:
     import torch
 
     from quant.rtn import quantize_rtn
-    from quant.types import QuantSpec
+    from core.schemes import QuantSpec
     from runner.engine.linear import make_linear
 
     torch.set_num_threads(args.threads)

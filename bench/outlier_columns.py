@@ -31,7 +31,7 @@ def main() -> None:
     from evalsuite.metrics import causal_lm_logprobs, score
     from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
     from quant.outliers import OutlierRule, input_abs_max, mixed_precision_rtn
-    from quant.types import QuantSpec
+    from core.schemes import QuantSpec
 
     ckpt = HFCheckpoint.open(args.model)
     model, tokenizer = load_causal_lm(ckpt), load_tokenizer(ckpt)

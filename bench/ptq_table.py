@@ -124,7 +124,7 @@ def open_windows(args):
     path or text exits with its one-line error."""
     from calib.text import sample_windows, token_windows
     from formats.hf import HFCheckpoint, load_tokenizer
-    from quant.types import InputError
+    from core.errors import InputError
 
     try:
         ckpt = HFCheckpoint.open(args.model)
@@ -182,7 +182,7 @@ def worker(argv: list[str]) -> None:
     from quant.gptq_model import gptq_model
     from quant.rtn import quantize_rtn
     from quant.smoothquant import rtn_layer, smoothquant_model
-    from quant.types import QuantSpec
+    from core.schemes import QuantSpec
 
     windows = load_file(str(args.windows))["input_ids"]
     ckpt = HFCheckpoint.open(args.model)
@@ -214,7 +214,7 @@ def save_dense(ckpt, fitted: dict, folder: Path) -> None:
     import torch
 
     from formats.hf import DenseSafetensorsWriter
-    from quant.types import dequantized
+    from core.tensors import dequantized
 
     writer = DenseSafetensorsWriter(folder, [(n, ckpt.shape(n)) for n in ckpt.names], torch.float32, ckpt)
     for name in ckpt.names:
@@ -226,7 +226,8 @@ def activation_simulation(model, activations: dict | None):
     """The worker's activation quantization on the model's Linear inputs, or nothing."""
     from contextlib import nullcontext
 
-    from quant.activations import ActivationSpec, simulated_activations
+    from core.schemes import ActivationSpec
+    from quant.activations import simulated_activations
 
     if activations is None:
         return nullcontext()

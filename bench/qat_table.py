@@ -187,7 +187,7 @@ def worker(argv: list[str]) -> None:
     from quant.gptq_model import gptq_model
     from quant.qat import QATSettings, qat_model
     from quant.rtn import quantize_rtn
-    from quant.types import QuantSpec
+    from core.schemes import QuantSpec
 
     windows = load_file(str(args.windows))["input_ids"]
     ckpt = HFCheckpoint.open(args.model)

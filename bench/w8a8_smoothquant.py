@@ -40,9 +40,11 @@ def main() -> None:
     from calib.text import sample_windows, token_windows
     from evalsuite.metrics import causal_lm_logprobs, score
     from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
-    from quant.activations import ActivationSpec, simulated_activations
+    from core.schemes import ActivationSpec
+    from quant.activations import simulated_activations
     from quant.smoothquant import rtn_layer, smoothquant_model
-    from quant.types import QuantSpec, dequantized
+    from core.schemes import QuantSpec
+    from core.tensors import dequantized
 
     int8 = QuantSpec(8, True, "channel")
 

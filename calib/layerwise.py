@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from quant.types import InputError
+from core.errors import InputError
 
 
 @dataclass

@@ -20,9 +20,9 @@ from typing import Iterator, NamedTuple, TypeVar
 import torch
 
 from calib.layerwise import LayerInputs, decoder_layers, first_layer_inputs, layers_prefix, run_layer
+from core.tensors import GGMLTensor, TensorPayload, dequantized, float_rows
 from formats.architecture import meta_model, transformers_config
 from formats.hf import HFCheckpoint
-from quant.types import GGMLTensor, TensorPayload, dequantized, float_rows
 
 T = TypeVar("T")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from quant.types import InputError
+from core.errors import InputError
 
 
 def read_text(path: Path) -> str:

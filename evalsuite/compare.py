@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from quant.types import InputError
+from core.errors import InputError
 
 # (heading, report.json field, format): what a reader compares first
 FIELDS = (("size MB", "size_mb", "{:.2f}"), ("PPL", "ppl", "{:.3f}"), ("KLD", "kld", "{:.5f}"), ("top-1", "top1", "{:.2%}"))

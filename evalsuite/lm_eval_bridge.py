@@ -26,9 +26,9 @@ from typing import Callable
 import torch
 import yaml
 
+from core.errors import InputError
 from evalsuite.loglikelihood import continuation_logprobs, encode_pair, rolling_logprob
 from evalsuite.metrics import LogProbs
-from quant.types import InputError
 
 try:
     import datasets.config

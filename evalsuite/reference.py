@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from calib.distributions import TopK
+from core.errors import InputError
 from formats.outputs import Outputs
-from quant.types import InputError
 
 EXACT_BYTES = 2**30
 TOP_K = 1024

@@ -14,9 +14,9 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.errors import InputError
 from evalsuite.loglikelihood import Request, continuation_logprobs, encode_pair
 from evalsuite.metrics import LogProbs
-from quant.types import InputError
 
 
 @dataclass(frozen=True)

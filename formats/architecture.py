@@ -1,6 +1,6 @@
 """The one description of a model's architecture, and the tensors its config.json says it has.
 
-``quant.types.Architecture`` holds what every module needs to know about a model (layers,
+``core.architecture.Architecture`` holds what every module needs to know about a model (layers,
 widths, heads, KV heads, head size, rope, norms, biases, sliding windows, experts, tied
 embeddings); it is read here, once, from a config.json (through transformers' own config class, so
 its defaults apply) or from a GGUF file's metadata. The GGUF writer, llama.cpp's type rules, the
@@ -21,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from quant.types import Architecture, InputError, Rope
+from core.architecture import Architecture, Rope
+from core.errors import InputError
 
 MAX_GGUF_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
 

@@ -20,10 +20,12 @@ from pathlib import Path
 
 import torch
 
+from core.errors import InputError
+from core.schemes import QuantSpec
+from core.tensors import QuantizedTensor
 from formats.hf import HFCheckpoint
 from formats.packing import pack_codes
 from formats.quantized_folder import Planned, QuantizedFolderWriter, unquantized_linears
-from quant.types import InputError, QuantizedTensor, QuantSpec
 
 _ORDER = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])
 

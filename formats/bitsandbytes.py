@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
+from core.schemes import FOUR_BIT_CODES, QuantSpec
+from core.tensors import QuantizedTensor
 from formats.hf import HFCheckpoint
 from formats.quantized_folder import Planned, QuantizedFolderWriter, unquantized_linears
-from quant.types import FOUR_BIT_CODES, QuantizedTensor, QuantSpec
 
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 

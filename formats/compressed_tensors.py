@@ -32,11 +32,12 @@ from pathlib import Path
 
 import torch
 
+from core.schemes import ActivationSpec
+from core.schemes import QuantSpec
+from core.tensors import QuantizedTensor
 from formats.hf import HFCheckpoint
 from formats.packing import pack_codes
 from formats.quantized_folder import Planned, QuantizedFolderWriter, unquantized_linears
-from quant.activations import ActivationSpec
-from quant.types import QuantizedTensor, QuantSpec
 
 
 def layout(spec: QuantSpec, activations: ActivationSpec | None = None) -> str:

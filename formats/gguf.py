@@ -15,10 +15,13 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
 
+from core.architecture import GGUF_ARCHITECTURES, Architecture, Rope
+from core.errors import InputError
+from core.rope import llama3_bands, to_pairs_side_by_side
+from core.tensors import GGMLTensor, StoredGGMLTensor
+from formats.architecture import SLIDING_PATTERN, llama_cpp_windows
 from formats.hf import HFCheckpoint
 from formats.sentencepiece_model import read_sentencepiece
-from formats.architecture import SLIDING_PATTERN, llama_cpp_windows
-from quant.types import GGUF_ARCHITECTURES, Architecture, GGMLTensor, InputError, Rope, StoredGGMLTensor
 
 
 _LAYER_NAMES = {
@@ -136,7 +139,7 @@ class GGUFFileWriter:
             return
         raw = payload.raw
         if hf_name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")) and self.arch.rope_pairs_adjacent_in_gguf:
-            raw = _permute_rows(raw, self.arch.kv_heads[0] if ".k_proj." in hf_name else self.arch.heads)
+            raw = to_pairs_side_by_side(raw, self.arch.kv_heads[0] if ".k_proj." in hf_name else self.arch.heads)
         if self.arch.norm_offset and hf_name.endswith("norm.weight"):  # norms stay F32 in every file type
             raw = raw + np.float32(self.arch.norm_offset)
         self._writer.write_tensor_data(np.ascontiguousarray(raw))
@@ -157,16 +160,6 @@ def _nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
     block, block_bytes = GGML_QUANT_SIZES[qtype]
     n = int(np.prod(shape))
     return n // block * block_bytes
-
-
-def _permute_rows(raw: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's Q/K permutation: within each head, interleave the two rotate-half halves.
-
-    Rows are independent in every ggml type, so permuting encoded rows equals encoding permuted rows.
-    """
-    rows = raw.shape[0]
-    head_dim = rows // heads
-    return raw.reshape(heads, 2, head_dim // 2, *raw.shape[1:]).swapaxes(1, 2).reshape(raw.shape)
 
 
 def _add_hparams(writer: GGUFWriter, arch: Architecture) -> None:
@@ -242,14 +235,9 @@ def llama3_divisors(rope: Rope) -> np.ndarray:
     the per-frequency divisors from ``rope_freqs.weight`` (transformers computes the same from
     config.json at load time): 1 for short wavelengths, ``factor`` for long ones, and a smooth
     blend between ``original_max_position_embeddings / high_freq_factor`` and ``/ low_freq_factor``."""
-    low, high, old_context = rope.low_freq_factor, rope.high_freq_factor, rope.original_context
     freqs = 1.0 / rope.theta ** (np.arange(0, rope.dims, 2, dtype=np.float64) / rope.dims)
-    wavelen = 2 * np.pi / freqs
-    smooth = (old_context / wavelen - low) / (high - low)
-    return np.where(
-        wavelen < old_context / high, 1.0,
-        np.where(wavelen > old_context / low, rope.factor, 1.0 / ((1 - smooth) / rope.factor + smooth)),
-    )
+    short, long, smooth = llama3_bands(rope, 2 * np.pi / freqs)
+    return np.where(short, 1.0, np.where(long, rope.factor, 1.0 / ((1 - smooth) / rope.factor + smooth)))
 
 
 def _add_tokenizer(writer: GGUFWriter, ckpt: HFCheckpoint, carried: dict[str, tuple[object, tuple]]) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from quant.types import InputError
+from core.errors import InputError
 
 # llama.cpp's limits (gguf.cpp, ggml.h).
 MAX_STRING_LENGTH = 1 << 30
@@ -25,6 +25,7 @@ MAX_NAME = 64  # GGML_MAX_NAME, the terminating NUL included
 MAX_DIMS = 4
 DEFAULT_ALIGNMENT = 32
 VERSIONS = (2, 3)
+MAGIC = b"GGUF"
 
 _SCALAR_FORMATS = {
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
@@ -150,7 +151,7 @@ class _Parser:
 
     def header(self) -> GGUFHeader:
         self.need(4)
-        if bytes(self.data[:4]) != b"GGUF":
+        if bytes(self.data[:4]) != MAGIC:
             raise InputError(f"{self.path}: not a GGUF file (it does not start with 'GGUF')")
         self.pos = 4
         version = self.unpack("<I", "the version")
@@ -247,3 +248,12 @@ class _Parser:
             raise self.fail(f"tensor '{name}' is {qtype.name} with rows of {row} values, not a multiple of its block of {block}")
         offset = self.unpack("<Q", f"the data offset of tensor '{name}'")
         return name, tuple(reversed(dims)), qtype, offset, elements // block * block_bytes
+
+
+def is_gguf_file(path: Path) -> bool:
+    """Whether ``path`` is a file that starts as a GGUF file does: the one check of the magic."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == MAGIC
+    except OSError:
+        return False

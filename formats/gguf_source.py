@@ -24,11 +24,14 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from core.architecture import Architecture, Rope
+from core.errors import InputError
+from core.rope import from_pairs_side_by_side
+from core.tensors import StoredGGMLTensor
 from formats.architecture import expected_tensors, from_gguf, from_transformers, transformers_config
 from formats.gguf import gguf_name, llama3_divisors
 from formats.gguf_file import GGUFHeader, GGUFTensorInfo, read_gguf_header
 from formats.hf import TOKENIZER_FILES, is_linear_weight, read_json
-from quant.types import Architecture, InputError, Rope, StoredGGMLTensor
 
 # llama.cpp architecture -> transformers' model_type and class: the ones the GGUF writer makes.
 MODELS = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
@@ -37,15 +40,6 @@ MODELS = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCa
 # What the two descriptions of the model must agree on.
 _SAME = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "windows", "tied_embeddings",
          "qkv_bias", "post_norms", "qk_norm", "attn_softcap", "final_softcap", "fused_projections")
-
-
-def is_gguf_file(path: Path) -> bool:
-    """Whether ``path`` is a file that starts as a GGUF file does."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
 
 
 class GGUFCheckpoint:
@@ -121,7 +115,7 @@ class GGUFCheckpoint:
             raw = data.reshape(*info.shape[:-1], -1)
         values = np.asarray(dequantize(raw, info.type), dtype=np.float32).reshape(info.shape)
         if self.arch.rope_pairs_adjacent_in_gguf and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
-            values = _unpermute_rows(values, self.arch.kv_heads[0] if ".k_proj." in name else self.arch.heads)
+            values = from_pairs_side_by_side(values, self.arch.kv_heads[0] if ".k_proj." in name else self.arch.heads)
         if self.arch.norm_offset and name.endswith("norm.weight"):
             values = (values.astype(np.float64) - self.arch.norm_offset).astype(np.float32)
         return StoredGGMLTensor(info.type.name, raw, info.shape, torch.from_numpy(np.ascontiguousarray(values)))
@@ -139,7 +133,7 @@ class GGUFCheckpoint:
     @property
     def label(self) -> str:
         """The file type llama.cpp names the file by, e.g. ``gguf Q4_K_M``."""
-        from quant.ggml import FILE_TYPES
+        from core.file_types import FILE_TYPES
 
         ftype = self.header.fields.get("general.file_type")
         name = next((n for n, t in FILE_TYPES.items() if t.id == ftype), None)
@@ -202,12 +196,6 @@ def _check_readable(qtype: GGMLQuantizationType, path: Path) -> None:
 
 
 _FLOATS = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
-
-
-def _unpermute_rows(values: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k permutation (formats/gguf.py ``_permute_rows``)."""
-    half = values.shape[0] // heads // 2
-    return values.reshape(heads, half, 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
 
 
 def _hf_config(fields: dict, stored: Architecture, tensors: dict[str, GGUFTensorInfo], path: Path) -> dict:

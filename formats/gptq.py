@@ -24,10 +24,11 @@ from pathlib import Path
 
 import torch
 
+from core.schemes import QuantSpec
+from core.tensors import QuantizedTensor
 from formats.hf import HFCheckpoint
 from formats.packing import pack_codes
 from formats.quantized_folder import Planned, QuantizedFolderWriter
-from quant.types import QuantizedTensor, QuantSpec
 
 BITS = (2, 3, 4, 8)
 

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
+from core.architecture import Architecture
+from core.errors import InputError
 from formats.architecture import expected_tensors, from_transformers, transformers_config
-from quant.types import Architecture, InputError
 
 _ST_DTYPES = {
     "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from formats.gguf_file import read_gguf_header
-from quant.types import InputError
+from core.errors import InputError
+from formats.gguf_file import is_gguf_file, read_gguf_header
 
 
 def write_imatrix(path: Path, means: dict[str, np.ndarray], tokens: int, datasets: list[str], chunk_size: int) -> None:
@@ -41,9 +41,7 @@ def read_imatrix(path: Path) -> dict[str, np.ndarray]:
     """Mean squared activation per input column, by GGUF tensor name, from either format."""
     if not path.is_file():
         raise InputError(f"{path}: imatrix file not found")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    return _read_gguf(path) if magic == b"GGUF" else _read_legacy(path)
+    return _read_gguf(path) if is_gguf_file(path) else _read_legacy(path)
 
 
 def _read_gguf(path: Path) -> dict[str, np.ndarray]:

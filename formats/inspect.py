@@ -8,9 +8,9 @@ from pathlib import Path
 
 from gguf import GGUFValueType
 
-from formats.gguf_file import read_gguf_header
+from core.errors import InputError
+from formats.gguf_file import MAGIC, read_gguf_header
 from formats.hf import read_json, read_safetensors_header
-from quant.types import InputError
 
 
 # In a quantized checkpoint (GPTQ, AWQ, compressed-tensors, bitsandbytes), the tensors that describe
@@ -61,7 +61,7 @@ def inspect_file(path: Path) -> FileSummary:
             head = f.read(9)
     except OSError as e:
         raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
-    if head[:4] == b"GGUF":
+    if head[:4] == MAGIC:
         return _inspect_gguf(path)
     if path.suffix == ".safetensors" or head[8:9] == b"{":
         return _inspect_safetensors(path)

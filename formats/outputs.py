@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from quant.types import InputError
+from core.errors import InputError
 
 LOCK = ".quantbench.lock"
 _PARTIAL = re.compile(r"\.(\d+)\.partial$")

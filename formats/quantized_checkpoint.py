@@ -22,11 +22,13 @@ from pathlib import Path
 
 import torch
 
+from core.errors import InputError
+from core.schemes import FOUR_BIT_CODES, QuantSpec
+from core.tensors import QuantizedTensor, TensorPayload
 from formats.architecture import expected_tensors, from_transformers, transformers_config
 from formats.awq import deinterleaved
 from formats.hf import HFCheckpoint, is_linear_weight, read_json, read_safetensors_header
 from formats.packing import unpack_codes
-from quant.types import FOUR_BIT_CODES, InputError, QuantizedTensor, QuantSpec, TensorPayload
 
 
 class QuantizedCheckpoint:

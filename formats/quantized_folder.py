@@ -9,8 +9,10 @@ from typing import Callable, TypeVar
 
 import torch
 
+from core.errors import InputError
+from core.schemes import QuantSpec
+from core.tensors import QuantizedTensor, TensorPayload
 from formats.hf import HFCheckpoint, SafetensorsFolderWriter, export_config
-from quant.types import InputError, QuantizedTensor, QuantSpec, TensorPayload
 
 Planned = list[tuple[str, torch.dtype, tuple[int, ...]]]
 T = TypeVar("T")

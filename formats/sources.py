@@ -8,7 +8,8 @@ import os
 from pathlib import Path
 from typing import Union
 
-from formats.gguf_source import GGUFCheckpoint, is_gguf_file
+from formats.gguf_file import is_gguf_file
+from formats.gguf_source import GGUFCheckpoint
 from formats.hf import HFCheckpoint, read_json
 from formats.quantized_checkpoint import QuantizedCheckpoint
 

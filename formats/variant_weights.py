@@ -16,8 +16,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from core.architecture import Architecture
+from core.schemes import QuantSpec
+from core.tensors import GGMLTensor, MixedPrecisionTensor, QuantizedTensor, StoredGGMLTensor, TensorPayload
 from formats.sources import Source
-from quant.types import Architecture, GGMLTensor, MixedPrecisionTensor, QuantizedTensor, QuantSpec, StoredGGMLTensor, TensorPayload
 
 
 class VariantWeights:

@@ -11,35 +11,16 @@ scored with and without activation quantization.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Iterator
 
 import torch
 
-from quant.types import InputError
+from core.errors import InputError
+from core.schemes import ActivationSpec
 
 _INT8_MAX = 127.0
 _FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 _TINY = torch.finfo(torch.float32).tiny  # the scale of an all-zero token: its codes are zeros anyway
-
-
-@dataclass(frozen=True)
-class ActivationSpec:
-    """Per-token dynamic symmetric quantization of a Linear's input: ``int8`` (scale = token absmax
-    / 127, codes rounded to nearest in [-127, 127]) or ``fp8`` (e4m3, scale = token absmax / 448,
-    codes rounded as torch's ``float8_e4m3fn`` cast rounds). Scales stay float32, as kernels keep
-    dynamic scales."""
-
-    format: Literal["int8", "fp8"]
-
-    def __post_init__(self) -> None:
-        if self.format not in ("int8", "fp8"):
-            raise ValueError(f"activation format must be 'int8' or 'fp8', got {self.format!r}")
-
-    @property
-    def label(self) -> str:
-        """Short human name, e.g. ``a-int8-token``."""
-        return {"int8": "a-int8-token", "fp8": "a-fp8e4m3-token"}[self.format]
 
 
 def fake_quantize(x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:

@@ -23,11 +23,12 @@ import torch
 
 from calib.layerwise import InputStats, input_statistics
 from calib.streaming import skeleton, to_cpu, walk_layers
+from core.schemes import QuantSpec
+from core.tensors import LayerResult, TensorPayload
 from formats.hf import HFCheckpoint
 from quant.error import relative_error
 from quant.folding import fold_scales, layer_mappings
 from quant.rtn import quantize_rtn
-from quant.types import LayerResult, QuantSpec, TensorPayload
 
 _GRID = 20
 _CLIP_STEPS = 10  # group ranges shrunk by 0%, 5%, ... 45%

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from quant.types import Architecture, InputError
+from core.architecture import Architecture
+from core.errors import InputError
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+from core.errors import InputError
+from core.schemes import QuantSpec
+from core.tensors import QuantizedTensor
 from quant.error import relative_error
 from quant.rtn import fit_grid, grid_values, round_to_grid
-from quant.types import InputError, QuantizedTensor, QuantSpec
 
 _DAMP_STEP = 0.01  # added to the damping fraction each time H + damp·mean(diag H)·I is not positive definite
 _DAMP_LIMIT = 1.0

@@ -18,9 +18,10 @@ import torch
 
 from calib.layerwise import input_statistics, layers_prefix, linear_groups
 from calib.streaming import LayerStep, skeleton, to_cpu, walk_layers
+from core.errors import InputError
+from core.schemes import QuantSpec
 from formats.hf import HFCheckpoint
 from quant.gptq import GPTQResult, GPTQSettings, gptq_quantize
-from quant.types import InputError, QuantSpec
 
 
 def gptq_model(

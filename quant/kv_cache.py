@@ -32,8 +32,9 @@ from typing import Iterator, Literal
 
 import torch
 
+from core.errors import InputError
+from core.rope import pairs_side_by_side
 from quant.ggml import encode
-from quant.types import InputError
 
 _FP8_E4M3_MAX = 448.0
 GGML_TYPES = {"int8": "Q8_0", "int4": "Q4_0"}
@@ -77,12 +78,6 @@ def rotations(spec: KVCacheSpec, head_dim: int) -> tuple[int | None, int | None]
     while head_dim % (2 * keys) == 0:
         keys *= 2
     return keys, 64
-
-
-def pairs_side_by_side(head_dim: int) -> torch.Tensor:
-    """Channel order [0, d/2, 1, d/2 + 1, ...]: each rotary pair of a rotate-half head together."""
-    half = torch.arange(head_dim // 2)
-    return torch.stack([half, half + head_dim // 2], 1).reshape(-1)
 
 
 def _in_order(x: torch.Tensor, order: torch.Tensor | None, spec: KVCacheSpec, rotation: int | None) -> torch.Tensor:

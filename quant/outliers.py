@@ -19,9 +19,11 @@ import torch
 
 from calib.layerwise import input_statistics, linear_groups
 from calib.streaming import LayerStep, skeleton, to_cpu, walk_layers
+from core.errors import InputError
+from core.schemes import QuantSpec
+from core.tensors import LayerResult, MixedPrecisionTensor
 from formats.hf import HFCheckpoint
 from quant.rtn import quantize_rtn
-from quant.types import InputError, LayerResult, MixedPrecisionTensor, QuantSpec
 
 
 @dataclass(frozen=True)

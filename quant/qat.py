@@ -32,6 +32,9 @@ from torch.func import functional_call
 
 from calib.layerwise import input_statistics, run_layer
 from calib.streaming import LayerStep, fast_bf16, skeleton, to_cpu, walk_layers, working_device
+from core.errors import InputError
+from core.schemes import QuantSpec
+from core.tensors import GGMLTensor, LayerResult, QuantizedTensor
 from formats.hf import HFCheckpoint
 from quant.error import relative_error
 from quant.ggml import encode
@@ -40,7 +43,6 @@ from quant.qat_checkpoint import QATCheckpoint
 from quant.qat_e2e import train_end_to_end
 from quant.qat_grids import trainable_grid
 from quant.rtn import quantize_rtn
-from quant.types import GGMLTensor, InputError, LayerResult, QuantizedTensor, QuantSpec
 
 Q4_K = "Q4_K"  # GGUF's Q4_K grid, beside the integer grids a QuantSpec names
 Grid = QuantSpec | str

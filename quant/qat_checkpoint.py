@@ -21,7 +21,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from quant.types import GGMLTensor, InputError, LayerResult, QuantizedTensor, QuantSpec
+from core.errors import InputError
+from core.schemes import QuantSpec
+from core.tensors import GGMLTensor, LayerResult, QuantizedTensor
 
 _PARTS = ("codes", "scales", "zeros")
 

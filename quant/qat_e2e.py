@@ -24,10 +24,10 @@ import torch
 
 from calib.distributions import TopK
 from calib.streaming import float_logits, skeleton, working_device
+from core.tensors import GGMLTensor, LayerResult, QuantizedTensor
 from formats.hf import HFCheckpoint
 from quant.qat_checkpoint import QATCheckpoint
 from quant.qat_grids import fixed_codes
-from quant.types import GGMLTensor, LayerResult, QuantizedTensor
 
 TOP_K = 128
 

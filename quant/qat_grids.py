@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from core.tensors import GGMLTensor, QuantizedTensor
 from quant.ggml.kquant_affine import q4_k_from_parts, q4_k_parts
-from quant.types import GGMLTensor, QuantizedTensor
 
 _FP16_TINY = 2.0**-24  # the smallest positive fp16: a trained scale must stay storable
 

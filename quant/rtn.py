@@ -11,7 +11,9 @@ import math
 
 import torch
 
-from quant.types import FORMAT_MAX, FOUR_BIT_CODES, FP8_DTYPES, InputError, QuantizedTensor, QuantSpec, code_values
+from core.errors import InputError
+from core.schemes import FORMAT_MAX, FOUR_BIT_CODES, FP8_DTYPES, QuantSpec, code_values
+from core.tensors import QuantizedTensor
 
 _FP16_TINY = 2.0**-24  # smallest positive fp16 (subnormal): a scale must survive the fp16 round trip
 _RECIPROCAL_FLOOR = 1e-38  # bitsandbytes' floor on a block's absmax before it takes the reciprocal

@@ -19,12 +19,15 @@ import torch
 
 from calib.layerwise import input_statistics
 from calib.streaming import LayerStep, skeleton, to_cpu, walk_layers
+from core.architecture import Architecture
+from core.errors import InputError
+from core.schemes import QuantSpec
+from core.tensors import LayerResult, QuantizedTensor, TensorPayload, dequantized
 from formats.hf import HFCheckpoint
 from quant.error import relative_error
 from quant.folding import fold_scales, layer_mappings
 from quant.outliers import channel_statistics, layer_input_abs_max
 from quant.rtn import quantize_rtn
-from quant.types import Architecture, InputError, LayerResult, QuantizedTensor, QuantSpec, TensorPayload, dequantized
 
 LayerQuantizer = Callable[[LayerStep], dict[str, TensorPayload]]  # e.g. rtn_layer, quant.gptq_model.gptq_layer
 _TINY = 1e-5  # floor for both maxima and the scales: a dead channel must not give 0 or Inf

@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from quant.types import InputError
+from core.errors import InputError
 
 app = typer.Typer(
     add_completion=False,
@@ -62,7 +62,7 @@ def export(
     """Convert a checkpoint to a GGUF file in one step, as llama.cpp's converter and quantizer would (from a GGUF file: a tensor whose type stays keeps its bytes)."""
     from formats.outputs import Outputs, check_output_path
     from formats.sources import open_checkpoint
-    from quant.ggml import FILE_TYPES
+    from core.file_types import FILE_TYPES
     from recipes.importance import load_or_compute_imatrix
     from recipes.pipeline import progress_bar
     from recipes.variants import build_variant, export_paths, gguf_variant, plan_variant

@@ -11,10 +11,11 @@ from rich.progress import Progress
 
 from calib.imatrix import streamed_importance_matrix
 from calib.text import token_windows
+from core.errors import InputError
 from formats.gguf import gguf_name
+from formats.gguf_file import is_gguf_file
 from formats.hf import HFCheckpoint, load_tokenizer
 from formats.imatrix import read_imatrix
-from quant.types import InputError
 from recipes.methods import Imatrix
 
 
@@ -40,9 +41,7 @@ def load_or_compute_imatrix(ckpt: HFCheckpoint, path: Path, progress: Progress) 
     """An imatrix file (GGUF or legacy .dat, by GGUF tensor names) or one computed from a text."""
     if not path.is_file():
         raise InputError(f"{path}: --imatrix file not found")
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head == b"GGUF" or path.suffix == ".dat":
+    if is_gguf_file(path) or path.suffix == ".dat":
         by_gguf = read_imatrix(path)
         by_hf = {gguf_name(n, ckpt.arch): n for n in ckpt.names if gguf_name(n, ckpt.arch)}
         unknown = sorted(set(by_gguf) - set(by_hf))

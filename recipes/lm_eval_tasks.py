@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from quant.types import InputError
+from core.errors import InputError
 from recipes.schema import BUNDLED_TASKS, TaskSpec
 
 # what generated a task's text, in the report: the engine on the variant's own files (real low-bit

@@ -24,12 +24,13 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from calib.text import sample_windows, token_windows
 from calib.streaming import skeleton
+from calib.text import sample_windows, token_windows
+from core.errors import InputError
 from evalsuite.metrics import Scores, causal_lm_logprobs
+from evalsuite.recommend import Budget, recommend
 from evalsuite.reference import ReferenceStore
 from evalsuite.report import Report, VariantRow, compare_with_original, write_report
-from evalsuite.recommend import Budget, recommend
 from evalsuite.streamed import streamed_scores
 from evalsuite.tasks import Task, load_task, run_task
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
@@ -38,11 +39,10 @@ from formats.sources import Source, open_checkpoint
 from formats.variant_weights import VariantWeights
 from quant.activations import simulated_activations
 from quant.kv_cache import simulated_kv_cache
-from quant.types import InputError
 from recipes import lm_eval_tasks
 from recipes.importance import model_imatrix
-from recipes.methods import Imatrix, method_of
 from recipes.lm_eval_tasks import LMEvalTask
+from recipes.methods import Imatrix, method_of
 from recipes.resume import ORIGINAL, RECORD, REFERENCE, SOURCE, Keys, finished, path_size, record, training_checkpoint
 from recipes.schema import LOCAL, SOURCE_ROW, Calibration, Recipe, Variant, check_against_model, ray_address
 from recipes.speed import engine_source

@@ -40,8 +40,8 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
+from core.errors import InputError
 from evalsuite.report import VariantRow
-from quant.types import InputError
 from recipes.pipeline import Opened, VariantJob, run_variant
 from recipes.schema import Calibration, Recipe, Variant
 from runner.fit.gpus import GIB

@@ -14,6 +14,11 @@ import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from core.architecture import Architecture
+from core.errors import InputError
+from core.file_types import FILE_TYPES
+from core.schemes import ActivationSpec
+from core.schemes import FORMAT_BITS, NumberFormat, QuantSpec
 from formats.awq import AWQWriter
 from formats.awq import check_spec as awq_check_spec
 from formats.bitsandbytes import BitsAndBytesWriter
@@ -22,14 +27,11 @@ from formats.compressed_tensors import CompressedTensorsWriter
 from formats.compressed_tensors import layout as compressed_tensors_layout
 from formats.gptq import GPTQWriter
 from formats.gptq import check_spec as gptq_check_spec
-from quant.ggml import FILE_TYPES
-from quant.activations import ActivationSpec
 from quant.awq import AWQSettings
 from quant.gptq import GPTQSettings
 from quant.kv_cache import KVCacheSpec
 from quant.outliers import OutlierRule
 from quant.qat import E2E_STEPS, Q4_K, Grid, QATSettings
-from quant.types import FORMAT_BITS, Architecture, InputError, NumberFormat, QuantSpec
 
 
 def _no_nul(path: Path) -> Path:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quant.types import InputError
+from core.errors import InputError
 from recipes.schema import Speed, Variant
 from runner.bench import BenchResult, Workload, output_lengths, run_bench, run_llama_cpp, workload_prompts
 

@@ -14,6 +14,9 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
+from core.errors import InputError
+from core.file_types import FILE_TYPES
+from core.tensors import TensorPayload, dequantized
 from formats.awq import AWQWriter
 from formats.bitsandbytes import BitsAndBytesWriter
 from formats.compressed_tensors import CompressedTensorsWriter
@@ -24,9 +27,7 @@ from formats.modelfile import modelfile_name, write_modelfile
 from formats.outputs import Outputs
 from formats.variant_weights import VariantWeights
 from quant.error import OUTPUT_ERROR, WEIGHT_ERROR, relative_error
-from quant.ggml import FILE_TYPES
 from quant.smoothquant import smoothquant_model
-from quant.types import InputError, TensorPayload, dequantized
 from recipes.methods import Imatrix, Plan, chosen_modules, method_of
 from recipes.schema import GGUFWeights, GPTQWeights, Variant
 

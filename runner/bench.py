@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from calib.text import read_text
-from quant.types import InputError
+from core.errors import InputError
 from runner.engine.llm import LLM
 from runner.engine.sampling import SamplingParams
 from runner.engine.sequence import Sequence

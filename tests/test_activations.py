@@ -4,8 +4,9 @@ and hooks that act only inside their block."""
 import pytest
 import torch
 
-from quant.activations import ActivationSpec, fake_quantize, simulated_activations
-from quant.types import InputError
+from core.errors import InputError
+from core.schemes import ActivationSpec
+from quant.activations import fake_quantize, simulated_activations
 
 
 def _tokens() -> torch.Tensor:

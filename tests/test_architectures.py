@@ -12,7 +12,7 @@ import torch
 
 from formats.hf import HFCheckpoint
 from model_zoo import ZOO, llama_cpp_and_transformers, make_model, zoo_model
-from quant.types import InputError
+from core.errors import InputError
 from recipes.variants import build_variant, gguf_variant
 from test_engine import greedy, prompts_from_text, transformers_greedy
 
@@ -48,7 +48,7 @@ def test_gguf_bytes_equal_llama_quantize_of_our_f32_file(zoo, tmp_path, name, fi
         pytest.skip("llama-cpp-python is the 'interop' extra (make test installs it)")
     from gguf import GGUFReader
 
-    from quant.ggml import FILE_TYPES as TYPES
+    from core.file_types import FILE_TYPES as TYPES
 
     ckpt = HFCheckpoint.open(zoo[name])
     f32 = build_variant(ckpt, gguf_variant("F32"), tmp_path, gguf_path=tmp_path / "f32.gguf").files[0]

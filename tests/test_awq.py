@@ -8,11 +8,12 @@ from calib.text import sample_windows, token_windows
 import pytest
 
 from conftest import BUNDLED, EVAL_TEXT, TINY, output_change
+from core.schemes import QuantSpec
+from core.tensors import QuantizedTensor, dequantized
 from evalsuite.metrics import causal_lm_logprobs, score
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
 from quant.awq import awq_model
 from quant.rtn import quantize_rtn
-from quant.types import QuantizedTensor, QuantSpec, dequantized
 
 SPEC = QuantSpec(4, False, "group", 128)
 

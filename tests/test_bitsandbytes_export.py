@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import SMALL_RECIPE, TINY, write_recipe
+from core.errors import InputError
 from formats.hf import HFCheckpoint
 from formats.inspect import inspect_file
-from quant.types import InputError
 from recipes.schema import Variant, load_recipe
 from recipes.variants import build_variant
 

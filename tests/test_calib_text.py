@@ -7,8 +7,8 @@ import torch
 
 from calib.text import read_text, sample_windows, token_windows
 from conftest import BUNDLED, TINY
+from core.errors import InputError
 from formats.hf import HFCheckpoint, load_tokenizer
-from quant.types import InputError
 
 
 def test_windows_are_drawn_from_the_whole_text_the_same_way_every_time():

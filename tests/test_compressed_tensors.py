@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import SMALL_RECIPE, TINY, write_recipe
-from formats.packing import pack_codes
+from core.errors import InputError
 from formats.hf import HFCheckpoint
-from quant.types import InputError
+from formats.packing import pack_codes
 from recipes.schema import Variant, load_recipe
 from recipes.variants import build_variant
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import EVAL_TEXT, TINY
-from quant.types import InputError
+from core.errors import InputError
 from runner import LLM, SamplingParams
 
 LENGTHS = [3, 17, 40, 1, 64, 9, 25, 90, 5, 33, 12, 70, 2, 48, 21, 7]  # 16 prompts of mixed lengths

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import BUNDLED, TINY
-from quant.types import InputError
+from core.errors import InputError
 from runner import LLM, SamplingParams
 from test_engine import prompts_from_text
 

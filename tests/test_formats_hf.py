@@ -6,8 +6,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import TINY
+from core.errors import InputError
 from formats.hf import DenseSafetensorsWriter, HFCheckpoint, is_linear_weight, read_safetensors_header
-from quant.types import InputError
 
 
 def copy_model(tmp_path):

@@ -12,7 +12,7 @@ from conftest import BUNDLED, EVAL_TEXT, TINY
 from formats.gguf import _PRE_PATTERNS
 from formats.hf import HFCheckpoint
 from model_zoo import llama_cpp_and_transformers, make_model
-from quant.types import InputError
+from core.errors import InputError
 from recipes.variants import build_variant, gguf_variant
 
 

@@ -13,10 +13,10 @@ if not ggml_oracle.available():
 from gguf import GGUFReader  # noqa: E402
 
 from conftest import BUNDLED, TINY  # noqa: E402
+from calib.text import token_windows  # noqa: E402
+from core.file_types import FILE_TYPES  # noqa: E402
 from formats.gguf import gguf_name  # noqa: E402
 from formats.hf import HFCheckpoint, load_tokenizer  # noqa: E402
-from calib.text import token_windows  # noqa: E402
-from quant.ggml import FILE_TYPES  # noqa: E402
 from recipes.importance import model_imatrix  # noqa: E402
 from recipes.variants import build_variant, gguf_variant  # noqa: E402
 from smollm2 import smollm2_checkpoint  # noqa: E402

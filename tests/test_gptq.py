@@ -3,9 +3,10 @@
 import pytest
 import torch
 
+from core.errors import InputError
+from core.schemes import QuantSpec
 from quant.gptq import GPTQSettings, gptq_quantize
 from quant.rtn import fit_grid, grid_values, quantize_rtn, round_to_grid
-from quant.types import InputError, QuantSpec
 
 
 def _problem(out=48, n_in=96, samples=400, seed=0):

@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from conftest import REPO, SMALL_RECIPE, TINY, write_recipe
+from core.errors import InputError
 from formats.hf import HFCheckpoint
-from quant.types import InputError
 from recipes.schema import Variant, load_recipe
 from recipes.variants import build_variant
 

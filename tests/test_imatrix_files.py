@@ -7,10 +7,10 @@ import pytest
 from gguf import GGUFReader
 
 from conftest import BUNDLED, TINY
+from core.errors import InputError
 from formats.gguf import gguf_name
 from formats.hf import HFCheckpoint
 from formats.imatrix import read_imatrix, write_imatrix
-from quant.types import InputError
 from test_cli import assert_user_error, quantize
 
 
@@ -78,7 +78,7 @@ def test_export_with_an_imatrix_file_matches_llama_quantize(tmp_path, tiny_imatr
     oracle = pytest.importorskip("ggml_oracle")
     if not oracle.available():
         pytest.skip("llama-cpp-python is the 'interop' extra")
-    from quant.ggml import FILE_TYPES
+    from core.file_types import FILE_TYPES
 
     means, tokens = tiny_imatrix
     path = tmp_path / "im.gguf"

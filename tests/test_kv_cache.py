@@ -63,7 +63,7 @@ def test_llama_cpp_rotates_quantized_caches_by_hadamard_blocks():
 
 def test_llama_cpp_keeps_rotary_pairs_of_llama_heads_side_by_side():
     from formats.architecture import from_config
-    from quant.kv_cache import pairs_side_by_side
+    from core.rope import pairs_side_by_side
 
     def interleaves_rope_pairs(config: dict) -> bool:
         return from_config(config, "config").rope_pairs_adjacent_in_gguf

@@ -94,7 +94,7 @@ def test_our_q4_k_m_has_the_perplexity_of_llama_cpps_own(tmp_path, windows):
     from ggml_oracle import llama_quantize_file
 
     from formats.hf import HFCheckpoint
-    from quant.ggml import FILE_TYPES
+    from core.file_types import FILE_TYPES
     from recipes.variants import build_variant, gguf_variant
 
     ckpt = HFCheckpoint.open(TINY)

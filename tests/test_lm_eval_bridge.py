@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.errors import InputError
 from evalsuite.loglikelihood import continuation_logprobs, encode_pair
 from evalsuite.metrics import causal_lm_logprobs
-from quant.types import InputError
 
 try:
     from lm_eval.api.instance import Instance

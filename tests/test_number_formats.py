@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from conftest import TINY, write_recipe
+from core.errors import InputError
+from core.schemes import FOUR_BIT_CODES, QuantSpec, code_values
 from formats.hf import HFCheckpoint
 from quant.rtn import quantize_rtn, round_to_grid
-from quant.types import FOUR_BIT_CODES, InputError, QuantSpec, code_values
 from recipes.schema import load_recipe
 
 REAL_WEIGHT = "model.layers.2.mlp.down_proj.weight"  # [256, 768], bf16

@@ -8,10 +8,12 @@ import torch
 
 from calib.text import token_windows
 from conftest import BUNDLED, TINY, tiny_with
+from core.errors import InputError
+from core.schemes import QuantSpec
+from core.tensors import MixedPrecisionTensor, dequantized
 from formats.hf import HFCheckpoint, load_tokenizer
 from quant.outliers import OutlierRule, channel_statistics, input_abs_max, mixed_precision_model, mixed_precision_rtn
 from quant.rtn import quantize_rtn
-from quant.types import InputError, MixedPrecisionTensor, QuantSpec, dequantized
 
 SPEC = QuantSpec(4, False, "group", 64)
 

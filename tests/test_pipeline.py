@@ -12,8 +12,8 @@ from gguf.quants import dequantize
 from conftest import TINY
 from formats.hf import HFCheckpoint
 from formats.hf import model_from_state
-from recipes.variants import build_variant
 from recipes.schema import Variant
+from recipes.variants import build_variant
 
 
 def test_report_compares_every_variant_with_the_original(small_run):

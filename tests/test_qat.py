@@ -15,11 +15,12 @@ import torch
 
 from calib.text import sample_windows, token_windows
 from conftest import BUNDLED, EVAL_TEXT, TINY, write_recipe
+from core.schemes import QuantSpec
+from core.tensors import QuantizedTensor, dequantized
 from evalsuite.metrics import causal_lm_logprobs, score
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
 from quant.qat import QATSettings, qat_model
 from quant.rtn import quantize_rtn
-from quant.types import QuantizedTensor, QuantSpec, dequantized
 
 SPEC = QuantSpec(2, False, "group", 64)
 

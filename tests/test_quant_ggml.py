@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 import torch
 
+from core.errors import InputError
+from core.file_types import tensor_types
 from quant.ggml import encode
-from quant.ggml.rules import tensor_types
-from quant.types import InputError
 
 
 def test_float_and_q8_0_files_keep_norms_in_f32():

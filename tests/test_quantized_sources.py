@@ -144,7 +144,7 @@ def test_an_int4_grid_carried_into_q4_k_moves_the_weights_far_less_than_quantizi
     from quant.ggml import encode
     from quant.ggml.regrid import q4_k_from_int4
     from quant.rtn import quantize_rtn
-    from quant.types import QuantSpec
+    from core.schemes import QuantSpec
 
     granularity, group, symmetric = spec
     weights = torch.randn(64, 512, generator=torch.Generator().manual_seed(0)) * 0.05
@@ -159,7 +159,7 @@ def test_an_int4_grid_carried_into_q4_k_moves_the_weights_far_less_than_quantizi
 def test_grids_q4_k_cannot_hold_are_left_to_the_encoder():
     from quant.ggml.regrid import q4_k_from_int4
     from quant.rtn import quantize_rtn
-    from quant.types import QuantSpec
+    from core.schemes import QuantSpec
 
     weights = torch.randn(8, 512, generator=torch.Generator().manual_seed(0))
     assert q4_k_from_int4(quantize_rtn(weights, QuantSpec(8, False, "group", 64), "w")) is None  # 8 bits
@@ -435,7 +435,7 @@ def test_a_quantization_config_no_reader_takes_is_refused_in_one_line(sources, t
     import json
     import shutil
 
-    from quant.types import InputError
+    from core.errors import InputError
 
     folder = tmp_path / "m"
     shutil.copytree(source_folder(sources, "awq"), folder)

@@ -3,10 +3,10 @@
 import pytest
 
 from conftest import write_recipe
+from core.errors import InputError
 from evalsuite.metrics import Scores
 from evalsuite.recommend import Budget, pareto_front, recommend
 from evalsuite.report import VariantRow
-from quant.types import InputError
 from recipes.schema import load_recipe
 
 

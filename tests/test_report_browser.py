@@ -21,8 +21,8 @@ import pytest
 from browser import BrowserMissing, check_page, launch, overlaps
 from evalsuite import chart
 from evalsuite.chart import heatmap_svg, size_fidelity_svg, speed_fidelity_svg, task_accuracy_svg
-from evalsuite.recommend import pareto_front
 from evalsuite.metrics import Scores
+from evalsuite.recommend import pareto_front
 from evalsuite.report import Report, VariantRow, html
 
 REPO = Path(__file__).resolve().parents[1]

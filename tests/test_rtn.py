@@ -1,8 +1,9 @@
 import pytest
 import torch
 
+from core.errors import InputError
+from core.schemes import QuantSpec
 from quant.rtn import quantize_rtn
-from quant.types import InputError, QuantSpec
 
 
 def heavy_tailed(out: int = 64, n_in: int = 256, seed: int = 0) -> torch.Tensor:

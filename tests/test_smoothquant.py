@@ -6,12 +6,14 @@ import torch
 
 from calib.text import sample_windows, token_windows
 from conftest import BUNDLED, EVAL_TEXT, TINY, output_change, tiny_with
+from core.errors import InputError
+from core.schemes import ActivationSpec
+from core.schemes import QuantSpec
 from evalsuite.metrics import causal_lm_logprobs, score
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer, model_from_state
-from quant.activations import ActivationSpec, simulated_activations
+from quant.activations import simulated_activations
 from quant.outliers import input_abs_max
 from quant.smoothquant import rtn_layer, smoothquant_model
-from quant.types import InputError, QuantSpec
 
 SMOOTHED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 INT8 = QuantSpec(8, True, "channel")

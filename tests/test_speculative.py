@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import TINY
-from quant.types import InputError
+from core.errors import InputError
 from runner import LLM, SamplingParams
 from runner.engine.speculative import NgramProposer, SpeculativeConfig
 from test_engine import prompts_from_text, random_model

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from conftest import EVAL_TEXT, TINY
+from core.errors import InputError
 from evalsuite.metrics import causal_lm_logprobs, score
 from evalsuite.reference import ReferenceStore
 from evalsuite.streamed import streamed_scores
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
-from quant.types import InputError
 from recipes.schema import Variant
 from recipes.variants import build_variant
 

@@ -7,10 +7,11 @@ from safetensors.torch import load_file, save_file
 
 from calib.layerwise import decoder_layers, first_layer_inputs, input_statistics, linear_groups, run_layer
 from calib.streaming import skeleton, walk_layers
+from core.errors import InputError
+from core.schemes import QuantSpec
 from formats.hf import HFCheckpoint, load_causal_lm
 from quant.gptq import GPTQSettings, gptq_quantize
 from quant.gptq_model import gptq_model
-from quant.types import InputError, QuantSpec
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=512, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0,

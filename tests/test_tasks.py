@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from conftest import TINY, write_recipe
+from core.errors import InputError
 from evalsuite.loglikelihood import continuation_logprobs, encode_pair
 from evalsuite.metrics import causal_lm_logprobs
 from evalsuite.paired import spans_zero, task_comparison
 from evalsuite.tasks import load_task, run_task
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
-from quant.types import InputError
 from recipes.schema import BUNDLED_TASKS
 
 TASK_RECIPE = {

@@ -22,8 +22,9 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from quant.ggml.rules import FILE_TYPES, tensor_types
-from quant.types import GGMLTensor, InputError
+from core.errors import InputError
+from core.file_types import FILE_TYPES, tensor_types
+from core.tensors import GGMLTensor
 
 __all__ = ["FILE_TYPES", "encode", "tensor_types"]
 

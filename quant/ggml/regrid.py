@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from core.tensors import QuantizedTensor
 from quant.ggml.kquant_affine import QK_K, q4_k_from_parts
-from quant.types import QuantizedTensor
 
 _SUB = 32  # columns per Q4_K sub-block
 

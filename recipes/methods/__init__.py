@@ -17,9 +17,10 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+from core.errors import InputError
+from core.tensors import LayerResult, TensorPayload
 from formats.hf import HFCheckpoint
 from quant.gptq_model import select_modules
-from quant.types import InputError, LayerResult, TensorPayload
 
 Imatrix = dict[str, np.ndarray]  # HF weight name -> importance per input column
 

@@ -6,12 +6,13 @@ from a GGUF file, a tensor whose type does not change keeps its bytes."""
 
 from __future__ import annotations
 
+from core.file_types import tensor_types
+from core.tensors import GGMLTensor
 from formats.gguf import architecture_of, gguf_name, gguf_order
 from formats.gguf_source import GGUFCheckpoint
 from formats.quantized_checkpoint import QuantizedCheckpoint
-from quant.ggml import encode, tensor_types
+from quant.ggml import encode
 from quant.ggml.regrid import q4_k_from_int4
-from quant.types import GGMLTensor
 from recipes.methods import Plan, WeightMethod, register
 
 

@@ -3,8 +3,8 @@ error on its calibration inputs comes with it."""
 
 from __future__ import annotations
 
+from core.tensors import LayerResult
 from quant.gptq_model import gptq_layer, gptq_model
-from quant.types import LayerResult
 from recipes.methods import WeightMethod, chosen_modules, register
 
 

@@ -10,9 +10,9 @@ llama.cpp would.
 
 from __future__ import annotations
 
+from core.tensors import GGMLTensor, LayerResult, QuantizedTensor
 from quant.ggml.legacy import q4_0_from_levels
 from quant.qat import qat_model
-from quant.types import GGMLTensor, LayerResult, QuantizedTensor
 from recipes.methods import Plan, WeightMethod, chosen_modules, finite, grid_plan, register
 from recipes.methods.gguf import gguf_encode, gguf_plan
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from core.errors import InputError
 from formats.sources import Source, open_checkpoint
-from quant.types import InputError
 
 EXPORTS = ("compressed-tensors", "gptq", "safetensors")  # what a recipe's variant folder holds, in the order taken
 

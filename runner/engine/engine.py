@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from quant.types import InputError
+from core.errors import InputError
+from runner.engine.batch import layout
 from runner.engine.block_manager import BlockManager
 from runner.engine.checkpoint import open_model
 from runner.engine.kv_cache import BITS, FLOAT_CACHES, KVPool, bytes_per_token, float_cache
-from runner.engine.batch import layout
 from runner.engine.model import DecoderModel
 from runner.engine.sampling import SamplingParams, sample
 from runner.engine.scheduler import Scheduler

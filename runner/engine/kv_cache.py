@@ -22,10 +22,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from core.architecture import Architecture
+from core.errors import InputError
+from core.rope import pairs_side_by_side
 from quant.ggml import encode
-from quant.kv_cache import GGML_TYPES, pairs_side_by_side, rotate_blocks, rotations
+from quant.kv_cache import GGML_TYPES, rotate_blocks, rotations
 from quant.kv_cache import KVCacheSpec
-from quant.types import Architecture, InputError
 
 BITS = {"fp32": 32.0, "fp16": 16.0, "bf16": 16.0, "fp8": 8.0, "int8": 8.5, "int4": 4.5}  # per cached value
 FLOAT_CACHES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

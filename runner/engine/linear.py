@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from quant.types import QuantizedTensor, TensorPayload
+from core.tensors import QuantizedTensor, TensorPayload
 
 INT4_GROUPS = (32, 64, 128, 256)
 

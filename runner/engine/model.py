@@ -26,9 +26,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from core.architecture import Architecture, Rope
+from core.errors import InputError
+from core.rope import llama3_bands
 from formats.hf import HFCheckpoint
 from formats.quantized_checkpoint import QuantizedCheckpoint
-from quant.types import Architecture, InputError, Rope
 from runner.engine.kv_cache import KVPool
 from runner.engine.linear import Linear, fused, make_linear
 
@@ -101,13 +103,10 @@ def inverse_frequencies(rope: Rope) -> torch.Tensor:
     if rope.scaling == "linear":
         return inv / rope.factor
     if rope.scaling == "llama3":
-        low_wavelen, high_wavelen = rope.original_context / rope.low_freq_factor, rope.original_context / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
-        smooth = (rope.original_context / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        short, long, smooth = llama3_bands(rope, 2 * math.pi / inv)
+        scaled = torch.where(long, inv / rope.factor, inv)
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled)
+        return torch.where(~short * ~long, smoothed, scaled)
     raise InputError(f"rope type '{rope.scaling}': the engine runs default, linear and llama3 rope")
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quant.types import InputError
+from core.errors import InputError
 
 
 @dataclass

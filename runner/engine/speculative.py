@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from quant.types import InputError
+from core.errors import InputError
 from runner.engine.batch import layout
 from runner.engine.block_manager import BlockManager
 from runner.engine.checkpoint import open_model

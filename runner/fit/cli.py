@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from quant.types import InputError
+from core.errors import InputError
 from runner.fit.gpus import GIB, resolve_gpu
 from runner.fit.memfit import ENGINES, KV_BITS, WEIGHT_FORMATS, FitQuery, FitResult, fit
 from runner.fit.model_shape import load_model_shape

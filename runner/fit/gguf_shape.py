@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from core.errors import InputError
 from formats.architecture import from_gguf
 from formats.gguf_file import read_gguf_header
-from quant.types import InputError
 from runner.fit.model_shape import ModelShape
 
 

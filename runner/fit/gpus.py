@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from functools import cache
 
-from quant.types import InputError
+from core.errors import InputError
 from runner.fit.model_shape import PRESETS, suggest_names
 
 GIB = 1024**3

@@ -5,7 +5,7 @@ runtime's fixed overhead, against the share of the GPU's memory the engine allow
 term is shown, so a customer can see why an answer is what it is:
 
 - Weights: the real tensor list of the model (``runner.fit.model_shape``). GGUF file types use
-  llama.cpp's per-tensor type rules (``quant.ggml.rules``), the same that make our GGUF files, so
+  llama.cpp's per-tensor type rules (``core.file_types``), the same that make our GGUF files, so
   Q4_K_M costs what a Q4_K_M file holds (about 4.9 bits per weight with its Q6_K tensors), and a
   GGUF file is counted byte for byte. Integer formats add their scales (and zero points) per group;
   embeddings and the output head stay 16-bit, as GPTQ/AWQ/compressed-tensors checkpoints keep them.
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from core.errors import InputError
+from core.file_types import FILE_TYPES, tensor_types
 from formats.hf import is_linear_weight
-from quant.ggml.rules import FILE_TYPES, tensor_types
-from quant.types import InputError
 from runner.fit.gpus import GIB, GPU, catalog
 from runner.fit.model_shape import ModelShape, is_expert
 

@@ -16,7 +16,9 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from quant.types import Architecture, InputError
+from core.architecture import Architecture
+from core.errors import InputError
+from formats.gguf_file import is_gguf_file
 
 PRESETS = Path(__file__).resolve().parent / "presets"
 
@@ -88,7 +90,7 @@ def preset_names() -> list[str]:
 def load_model_shape(model: str) -> ModelShape:
     """``model``: a bundled preset name, a model folder, a config.json, or a GGUF file."""
     path = Path(model)
-    if path.suffix == ".gguf" or (path.is_file() and _is_gguf(path)):
+    if path.suffix == ".gguf" or (path.is_file() and is_gguf_file(path)):
         from runner.fit.gguf_shape import gguf_model_shape
 
         return gguf_model_shape(path)
@@ -130,11 +132,6 @@ def _read_config(path: Path) -> dict:
     if not isinstance(config, dict):
         raise InputError(f"{path}: a config.json is a JSON object")
     return config
-
-
-def _is_gguf(path: Path) -> bool:
-    with path.open("rb") as f:
-        return f.read(4) == b"GGUF"
 
 
 def suggest_names(name: str, known: list[str]) -> str:

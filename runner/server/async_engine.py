@@ -16,7 +16,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from quant.types import InputError
+from core.errors import InputError
 from runner.engine.llm import LLM
 from runner.engine.sampling import SamplingParams
 from runner.engine.sequence import Sequence

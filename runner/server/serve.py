@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from quant.types import InputError
+from core.errors import InputError
 from runner.engine.llm import LLM
 from runner.server.app import create_app
 from runner.server.async_engine import AsyncEngine

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from quant.types import Architecture
+from core.architecture import Architecture
 
 
 @dataclass(frozen=True)
