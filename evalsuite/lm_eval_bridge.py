@@ -10,7 +10,7 @@ greedy decoding through the log-probabilities themselves. Generation is greedy w
 by one, and sampling would add flips of its own.
 
 Only task runs that go through lm-eval import this module; lm-eval is an optional extra.
-Nothing here downloads: importing it puts the Hugging Face libraries offline, so a task reads local
+Nothing here downloads: lm-eval's loading and evaluation run ``offline()``, so a task reads local
 files (``write_local_task_yaml``) or data already in the Hugging Face cache, and fails otherwise.
 """
 
@@ -19,9 +19,11 @@ from __future__ import annotations
 import json
 import math
 import os
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
+from unittest import mock
 
 import torch
 import yaml
@@ -39,9 +41,20 @@ try:
 except ImportError:  # pragma: no cover - exercised only where the extra is missing
     raise InputError("lm-eval is not installed: pip install 'quantbench[tasks]'") from None
 
-# both libraries read these once, at import (transformers imported huggingface_hub long before)
-os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
-huggingface_hub.constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+
+@contextmanager
+def offline() -> Iterator[None]:
+    """Inside, the Hugging Face libraries download nothing, so a task reads local files or the
+    cache and fails otherwise; outside, they are as the user set them (a model id elsewhere in the
+    job may be downloaded, formats/hub.py). Both libraries read their settings once, at import, so
+    their constants are switched along with the variables."""
+    with ExitStack() as stack:
+        stack.enter_context(mock.patch.dict(os.environ, {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}))
+        for module, name in ((huggingface_hub.constants, "HF_HUB_OFFLINE"), (datasets.config, "HF_HUB_OFFLINE"),
+                             (datasets.config, "HF_DATASETS_OFFLINE")):
+            stack.enter_context(mock.patch.object(module, name, True))
+        yield
+
 
 # prompts as token ids, each with its greedy generation settings {"until": [...], "max_gen_toks": n}
 # -> the generated texts, in order
@@ -177,7 +190,8 @@ def load_tasks(tasks: list[str], manager: TaskManager) -> None:
         if task not in manager.all_tasks:
             raise InputError(f"lm-eval task '{task}': lm-eval knows no task or group of that name")
         try:
-            manager.load([task])
+            with offline():
+                manager.load([task])
         except Exception as e:  # datasets and lm-eval raise many kinds; all mean the same to a user
             detail = " ".join(str(e).split())[:300]
             raise InputError(f"lm-eval task '{task}': cannot load it offline ({type(e).__name__}: {detail}); "
@@ -188,11 +202,12 @@ def run_lm_eval(lm: LM, tasks: list[str], manager: TaskManager, limit: int | Non
                 num_fewshot: int | None, seed: int = 0) -> dict[str, TaskOutcome]:
     """Run lm-eval's own evaluator on ``lm``; per task (a group's, each of its tasks) its accuracy
     and which examples were right."""
-    results = lm_eval.simple_evaluate(
-        model=lm, tasks=list(tasks), task_manager=manager, limit=limit, num_fewshot=num_fewshot,
-        log_samples=True, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-        fewshot_random_seed=seed,
-    )
+    with offline():
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=list(tasks), task_manager=manager, limit=limit, num_fewshot=num_fewshot,
+            log_samples=True, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
     if results is None:
         raise RuntimeError("lm-eval returned no results")
     out = {}

@@ -21,6 +21,7 @@ from core.rope import llama3_bands, to_pairs_side_by_side
 from core.tensors import GGMLTensor, StoredGGMLTensor
 from formats.architecture import SLIDING_PATTERN, llama_cpp_windows
 from formats.hf import HFCheckpoint
+from formats.hub import model_name
 from formats.sentencepiece_model import read_sentencepiece
 
 
@@ -94,7 +95,7 @@ class GGUFFileWriter:
         self.arch = ckpt.arch
         writer = GGUFWriter(None, architecture_of(ckpt))
         carried = ckpt.carried_fields() if hasattr(ckpt, "carried_fields") else {}  # a GGUF source's
-        writer.add_name(carried.pop("general.name", (ckpt.path.name,))[0])
+        writer.add_name(carried.pop("general.name", (model_name(ckpt.path),))[0])
         writer.add_file_type(file_type_id)
         writer.add_quantization_version(2)
         _add_hparams(writer, self.arch)

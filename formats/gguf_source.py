@@ -155,7 +155,7 @@ class GGUFCheckpoint:
 
             folder = tempfile.TemporaryDirectory(prefix="quantbench-gguf-tokenizer-")
             try:
-                AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name).save_pretrained(folder.name)
+                AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name, local_files_only=True).save_pretrained(folder.name)
             except Exception as e:  # transformers raises what its converter hits on a tokenizer it does not take
                 folder.cleanup()
                 raise InputError(f"{self.path}: transformers cannot read the file's tokenizer "

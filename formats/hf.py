@@ -414,8 +414,8 @@ def load_causal_lm(ckpt: HFCheckpoint) -> torch.nn.Module:
 
         config = transformers_config(ckpt.config, str(ckpt.path))
         return model_from_state(config, {name: ckpt.tensor(name) for name in ckpt.names})
-    try:
-        model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32)
+    try:  # a folder on disk (formats/hub.py fetched any id): transformers must not ask the Hub about it
+        model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32, local_files_only=True)
     except (ValueError, KeyError, OSError) as e:
         raise InputError(f"{ckpt.path}: transformers cannot load this model ({str(e).splitlines()[0]})") from None
     return model.eval()
@@ -425,7 +425,7 @@ def load_tokenizer(ckpt: HFCheckpoint):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(ckpt.tokenizer_dir)
+        return AutoTokenizer.from_pretrained(ckpt.tokenizer_dir, local_files_only=True)
     except (ValueError, KeyError, OSError) as e:
         raise InputError(f"{ckpt.path}: cannot load the tokenizer ({str(e).splitlines()[0]})") from None
 

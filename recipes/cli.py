@@ -54,7 +54,7 @@ def run(
 
 @app.command()
 def export(
-    model: Path = typer.Argument(..., help="Hugging Face model folder (config.json, *.safetensors, tokenizer), a GPTQ/AWQ/compressed-tensors/bitsandbytes folder, or a GGUF file."),
+    model: Path = typer.Argument(..., help="Hugging Face model folder (config.json, *.safetensors, tokenizer) or id (org/name[@revision]), a GPTQ/AWQ/compressed-tensors/bitsandbytes folder, or a GGUF file."),
     gguf: str = typer.Option(..., "--gguf", help="GGUF file type: F32 F16 BF16 Q8_0 Q6_K Q5_K_M Q5_K_S Q4_K_M Q4_K_S Q3_K_L Q3_K_M Q3_K_S Q2_K Q5_1 Q5_0 Q4_1 Q4_0."),
     out: Path = typer.Option(..., "--out", "-o", help="Output .gguf file (an Ollama Modelfile is written beside it)."),
     imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix: a llama.cpp imatrix file (.gguf or .dat), or a calibration text to compute one from."),
@@ -85,7 +85,7 @@ def export(
 
 @app.command("imatrix")
 def imatrix_command(
-    model: Path = typer.Argument(..., help="Hugging Face model folder."),
+    model: Path = typer.Argument(..., help="Hugging Face model folder, or id (org/name[@revision])."),
     text: Path = typer.Option(..., "--text", help="Calibration text (UTF-8)."),
     out: Path = typer.Option(..., "--out", "-o", help="Output imatrix file, llama.cpp's GGUF format (llama-quantize --imatrix reads it)."),
     windows: int = typer.Option(128, "--windows", min=1, help="At most this many 512-token windows of the text."),
@@ -93,13 +93,14 @@ def imatrix_command(
     """Compute an importance matrix (mean squared activation per input column of every Linear layer)."""
     from formats.gguf import gguf_name
     from formats.hf import HFCheckpoint
+    from formats.hub import local_model
     from formats.imatrix import write_imatrix
     from formats.outputs import Outputs, check_output_path
     from recipes.importance import compute_imatrix
     from recipes.pipeline import progress_bar
 
     check_output_path(out, folder=False)
-    ckpt = HFCheckpoint.open(model)
+    ckpt = HFCheckpoint.open(local_model(model))
     with progress_bar(console) as progress:
         means, tokens = compute_imatrix(ckpt, text, progress, windows)
     with Outputs() as outputs:
@@ -155,7 +156,7 @@ def inspect(file: Path = typer.Argument(..., help="A .gguf or .safetensors file.
 
 @app.command()
 def fit(
-    model: str = typer.Argument(..., help="A preset (e.g. llama-3.1-8b; --list shows them), a model folder or config.json, or a GGUF file."),
+    model: str = typer.Argument(..., help="A preset (e.g. llama-3.1-8b; --list shows them), a model folder or config.json, a GGUF file, or a Hugging Face id (org/name[@revision]; only its config.json is fetched)."),
     weights: str = typer.Option("bf16", "--weights", "-w", help="fp32 bf16 fp16 fp8 int8 int4 gptq awq, or a GGUF file type (q4_k_m, q8_0, ...)."),
     group_size: int = typer.Option(128, "--group-size", help="Group size of int4, gptq and awq weights."),
     kv_cache: str = typer.Option("fp16", "--kv-cache", help="KV-cache dtype: fp16 bf16 fp32 fp8 int8 int4."),
@@ -206,7 +207,7 @@ def _llm(model: Path, dtype: str, kv_cache_dtype: str, block_size: int, max_num_
 
 @app.command()
 def generate(
-    model: Path = typer.Argument(..., help="A Hugging Face model folder, a quantized one, a GGUF file (run dequantized), or a recipe's variant folder."),
+    model: Path = typer.Argument(..., help="A Hugging Face model folder or id (org/name[@revision]), a quantized one, a GGUF file (run dequantized), or a recipe's variant folder."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="The text to continue."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="Most tokens to generate."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 for greedy."),
@@ -232,7 +233,7 @@ def generate(
 
 @app.command()
 def bench(
-    model: Path = typer.Argument(..., help="A Hugging Face model folder, a quantized one, a GGUF file (run dequantized), or a recipe's variant folder."),
+    model: Path = typer.Argument(..., help="A Hugging Face model folder or id (org/name[@revision]), a quantized one, a GGUF file (run dequantized), or a recipe's variant folder."),
     requests: int = typer.Option(32, "--requests", help="Requests in the workload."),
     concurrency: int = typer.Option(8, "--concurrency", help="Requests in flight at once (each finished one is replaced)."),
     prompt_tokens: str = typer.Option("32,64,128,256", "--prompt-tokens", help="Prompt lengths, in turn."),
@@ -282,25 +283,26 @@ def bench(
 
 @app.command()
 def serve(
-    model: Path = typer.Argument(..., help="A Hugging Face model folder, a recipe's variant folder, or its export."),
+    model: Path = typer.Argument(..., help="A Hugging Face model folder or id (org/name[@revision]), a recipe's variant folder, or its export."),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on /v1."),
     max_waiting: int = typer.Option(256, "--max-waiting", help="Requests queued beyond the running ones before 429."),
-    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model's name in the API (default: the folder's)."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model's name in the API (default: the folder's, or the id)."),
     chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="A Jinja chat template file (default: the tokenizer's, else plain 'Role: text')."),
     dtype: str = _DTYPE, kv_cache_dtype: str = _KV_DTYPE, block_size: int = _BLOCK, max_num_seqs: int = _SEQS,
     max_num_batched_tokens: int = _TOKENS, kv_memory: Optional[str] = _KV_MEMORY, max_model_len: Optional[int] = _MAX_LEN,
     enable_prefix_caching: bool = _PREFIX, speculative: Optional[str] = _SPEC,
 ) -> None:
     """Serve a model with the engine behind an OpenAI-compatible API (completions, chat, streaming, /metrics)."""
+    from formats.hub import hub_id
     from runner.server.serve import check_options
     from runner.server.serve import serve as run_server
 
     check_options(host, port, max_waiting)
     llm = _llm(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, kv_memory, max_model_len,
                enable_prefix_caching, speculative)
-    run_server(llm, host, port, served_model_name or model.resolve().name, api_key, max_waiting, chat_template,
+    run_server(llm, host, port, served_model_name or (str(model) if hub_id(model) else model.resolve().name), api_key, max_waiting, chat_template,
                lambda line: console.print(escape(line), highlight=False))
 
 

@@ -27,6 +27,7 @@ from formats.compressed_tensors import CompressedTensorsWriter
 from formats.compressed_tensors import layout as compressed_tensors_layout
 from formats.gptq import GPTQWriter
 from formats.gptq import check_spec as gptq_check_spec
+from formats.hub import parse_hub_id
 from quant.awq import AWQSettings
 from quant.gptq import GPTQSettings
 from quant.kv_cache import KVCacheSpec
@@ -483,6 +484,13 @@ def ray_address(executor: str) -> str | None:
     return executor.partition("=")[2] or None
 
 
+def _model_at(base: Path, model: Path) -> Path:
+    """A recipe's model: a path relative to ``base`` where one exists there, else a Hugging Face id
+    as written (``org/name[@revision]``, fetched when the job opens it, formats/hub.py)."""
+    here = base / model
+    return model if not here.exists() and parse_hub_id(str(model)) else here
+
+
 class Recipe(_Strict):
     model: FilePath
     # the original of a quantized ``model``: the report's baseline, with ``model`` scored beside the variants
@@ -501,8 +509,8 @@ class Recipe(_Strict):
         the working directory, for a worker that has another)."""
         return self.model_copy(
             update={
-                "model": base / self.model,
-                "reference": base / self.reference if self.reference else None,
+                "model": _model_at(base, self.model),
+                "reference": _model_at(base, self.reference) if self.reference else None,
                 "evaluation": self.evaluation.model_copy(update={
                     "text": base / self.evaluation.text,
                     "tasks": [t.resolved(base) for t in self.evaluation.tasks]}),

@@ -23,6 +23,7 @@ from formats.compressed_tensors import CompressedTensorsWriter
 from formats.gguf import GGUFFileWriter
 from formats.gptq import GPTQWriter
 from formats.hf import DenseSafetensorsWriter, HFCheckpoint
+from formats.hub import model_name
 from formats.modelfile import modelfile_name, write_modelfile
 from formats.outputs import Outputs
 from formats.variant_weights import VariantWeights
@@ -171,7 +172,7 @@ def export_paths(ckpt: HFCheckpoint, variant: Variant, out_dir: Path, gguf_path:
     vdir = out_dir / variant.name
     paths = {export: vdir / export for export in FOLDER_EXPORTS if export in variant.exports}
     if "gguf" in variant.exports:
-        gguf = gguf_path or vdir / f"{ckpt.path.name}-{method_of(variant.weights).gguf_type(variant.weights)}.gguf"
+        gguf = gguf_path or vdir / f"{model_name(ckpt.path)}-{method_of(variant.weights).gguf_type(variant.weights)}.gguf"
         paths["gguf"] = gguf
         paths["modelfile"] = gguf.with_name(modelfile_name(gguf.name))
     return paths

@@ -54,9 +54,6 @@ import common
 # GPTQModel sizes its CPU thread pool from this at import time.
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("LOGBAR_ANIMATION", "0")  # fewer progress-bar redraws in captured logs
 
 TOOL = "gptqmodel_quantize"
@@ -459,4 +456,8 @@ def verify_against_gptqmodel(gptq_dir: Path, dense_dir: Path, windows) -> dict:
 
 
 if __name__ == "__main__":
+    # an offline run, as a script only: importing this module leaves the process as it was
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     sys.exit(main())

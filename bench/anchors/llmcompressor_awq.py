@@ -47,10 +47,6 @@ from pathlib import Path
 
 import common
 
-# Offline machine: never let transformers / datasets / llmcompressor reach the hub.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -352,4 +348,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # an offline run, as a script only: importing this module leaves the process as it was
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     raise SystemExit(main())

@@ -39,8 +39,6 @@ from pathlib import Path
 
 import common
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 TOOL = "torchao_qat"
 
 
@@ -135,4 +133,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # an offline run, as a script only: importing this module leaves the process as it was
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     raise SystemExit(main())

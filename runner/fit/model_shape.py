@@ -19,6 +19,7 @@ from pathlib import Path
 from core.architecture import Architecture
 from core.errors import InputError
 from formats.gguf_file import is_gguf_file
+from formats.hub import hub_id, local_model
 
 PRESETS = Path(__file__).resolve().parent / "presets"
 
@@ -88,7 +89,11 @@ def preset_names() -> list[str]:
 
 
 def load_model_shape(model: str) -> ModelShape:
-    """``model``: a bundled preset name, a model folder, a config.json, or a GGUF file."""
+    """``model``: a bundled preset name, a model folder, a config.json, a GGUF file, or a Hugging
+    Face id, of which only config.json is fetched (the shape is all the calculator reads)."""
+    ident = hub_id(model)
+    if ident is not None:
+        return replace(load_model_shape(str(local_model(model, config_only=True))), name=str(ident))
     path = Path(model)
     if path.suffix == ".gguf" or (path.is_file() and is_gguf_file(path)):
         from runner.fit.gguf_shape import gguf_model_shape
