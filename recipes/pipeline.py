@@ -9,6 +9,7 @@ Everything a user could get wrong is checked before the
 first tensor is touched. A rerun into the same output folder keeps every variant whose inputs are
 unchanged since it last finished (recipes/resume.py) and redoes the rest. The variants are built
 one after another here, or as Ray tasks (recipes/ray_executor.py), by the same ``run_variant``.
+Each variant's folder gets a model card from the report (recipes/model_card.py).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from recipes import lm_eval_tasks
 from recipes.importance import model_imatrix
 from recipes.lm_eval_tasks import LMEvalTask
 from recipes.methods import Imatrix, method_of
+from recipes.model_card import write_model_cards
 from recipes.resume import ORIGINAL, RECORD, REFERENCE, SOURCE, Keys, finished, path_size, record, training_checkpoint
 from recipes.schema import LOCAL, SOURCE_ROW, Calibration, Recipe, Variant, check_against_model, ray_address
 from recipes.speed import engine_source
@@ -150,6 +152,7 @@ def _run(recipe: Recipe, ckpt: Source, baseline: Source | None, tasks: list[Task
     report = Report(model=str(recipe.model), eval_text=str(ev.text), windows=windows.shape[0],
                     window=windows.shape[1], rows=rows, recommendation=recommend(rows, budget, recipe.goal))
     write_report(report, out_dir)
+    write_model_cards(report, recipe, ckpt.path, out_dir)
     record(out_dir / ORIGINAL, keys.original(), original)
     if source_row is not None:
         record(out_dir / SOURCE, keys.original(), source_row)
