@@ -224,3 +224,16 @@ def test_no_module_puts_the_process_offline_on_import():
                 if "OFFLINE" in ast.unparse(node):
                     offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert offenders == []
+
+
+def test_lm_eval_goes_offline_only_while_it_runs(monkeypatch):
+    pytest.importorskip("lm_eval")
+    import huggingface_hub.constants as constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    from evalsuite.lm_eval_bridge import offline
+
+    with offline():
+        assert os.environ["HF_HUB_OFFLINE"] == "1" and constants.HF_HUB_OFFLINE
+    assert "HF_HUB_OFFLINE" not in os.environ and not constants.HF_HUB_OFFLINE
