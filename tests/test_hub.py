@@ -134,6 +134,35 @@ def test_a_missing_id_offline_in_a_fresh_process(tmp_path):
     assert "Traceback" not in proc.stderr + proc.stdout
 
 
+@pytest.mark.parametrize("error, config_only, fragment", [
+    ("GatedRepoError", False, "a gated repository; accept its terms at https://huggingface.co/org/x"),
+    ("RepositoryNotFoundError", False, "nor a repository on the Hugging Face Hub"),
+    ("RevisionNotFoundError", False, "no revision 'v9'"),
+    ("RemoteEntryNotFoundError", True, "the repository has no config.json"),
+    ("HfHubHTTPError", False, "the Hugging Face Hub refused"),
+    ("LocalEntryNotFoundError", False, "the Hugging Face Hub cannot be reached"),
+])
+def test_every_failure_online_is_one_line_naming_the_id(monkeypatch, tmp_path, error, config_only, fragment):
+    """huggingface_hub's errors as it raises them online (its downloads replaced by one that fails)."""
+    import httpx2
+    import huggingface_hub
+    import huggingface_hub.errors
+
+    offline_cache(monkeypatch, tmp_path)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    cls = getattr(huggingface_hub.errors, error)
+    response = httpx2.Response(403, request=httpx2.Request("GET", "https://huggingface.co/api/models/org/x"))
+    failure = cls("the Hub said no") if error == "LocalEntryNotFoundError" else cls("the Hub said no", response=response)
+
+    def fail(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download" if config_only else "snapshot_download", fail)
+    with pytest.raises(InputError, match=fragment) as caught:
+        local_model("org/x@v9", config_only=config_only)
+    assert str(caught.value).startswith("org/x@v9: ") and "\n" not in str(caught.value)
+
+
 def test_fit_needs_only_the_config_in_the_cache(cache, monkeypatch, capsys):
     cached(cache, "org/tiny", MAIN, [TINY / "config.json"])
     code, out, err = quantize(monkeypatch, capsys, "fit", "org/tiny", "--json")
@@ -160,7 +189,8 @@ def test_an_existing_path_shaped_like_an_id_is_a_path(cache, monkeypatch, capsys
     (recipe_dir / "org").mkdir(parents=True)
     (recipe_dir / "org" / "tiny").symlink_to(TINY)
     assert load_recipe(write_recipe(recipe_dir, RECIPE)).model == recipe_dir / "org" / "tiny"  # relative to the recipe
-    assert load_recipe(write_recipe(tmp_path / "org", RECIPE | {"model": "org/other"})).model == Path("org/other")
+    by_id = load_recipe(write_recipe(tmp_path / "org", RECIPE | {"model": "org/other", "reference": "org/ref@v1"}))
+    assert (by_id.model, by_id.reference) == (Path("org/other"), Path("org/ref@v1"))  # ids, as written
 
 
 def card(out: Path, variant: str) -> tuple[dict, str]:
