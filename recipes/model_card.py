@@ -49,15 +49,16 @@ def model_card(variant: Variant, row: VariantRow, original: VariantRow, report: 
     base = cached_repo(model) or model_name(model)
     files = _files(variant, row)
     folders = [e for e in FOLDER_EXPORTS if e in files]
+    method = variant.weights.method
+    tags = ["quantbench", "quantized", *([method] if method != "none" else []), *(e for e in files if e != "modelfile")]
     header = {
         "base_model": base,
         "base_model_relation": "quantized",
         **({"library_name": "transformers" if folders else "gguf"} if files else {}),
         "pipeline_tag": "text-generation",
-        "tags": list(dict.fromkeys(["quantbench", "quantized", *([variant.weights.method] if variant.weights.method != "none" else []),
-                                    *(e for e in files if e != "modelfile")])),
+        "tags": list(dict.fromkeys(tags)),  # a method and its export may share a name (gptq, awq)
         "quantized_by": "quantbench",
-        "quantization": {"method": variant.weights.method, "scheme": row.method,
+        "quantization": {"method": method, "scheme": row.method,
                          **{k: v for k, v in (("bits", getattr(variant.weights, "bits", None)),
                                               ("type", getattr(variant.weights, "type", None))) if v is not None},
                          "bits_per_weight": round(row.bits_per_weight, 3)},
