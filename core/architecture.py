@@ -5,9 +5,41 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Hugging Face model_type -> llama.cpp's architecture (Mistral's dense models are llama to llama.cpp).
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-                      "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the layers that meet a model family need to know of it beyond its config: its name to
+    llama.cpp, the transformers class that loads it, whether the engine runs it, and llama.cpp's
+    sliding-window layer pattern for it. A new architecture starts with one entry in ``FAMILIES``."""
+
+    gguf: str | None  # llama.cpp's architecture, where quantbench writes GGUF files for it
+    causal_lm: str  # the transformers class of the text model
+    runs_in_engine: bool = True
+    sliding_pattern: int = 1  # llama.cpp's set_swa_pattern: every n-th layer global (1: no pattern)
+
+
+# By Hugging Face model_type. Where several share a llama.cpp architecture, the first is the one a
+# GGUF file of it reads back as (Mistral's dense models are llama to llama.cpp; Gemma 3's text
+# model is gemma3, its multimodal wrapper too).
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", "LlamaForCausalLM"),
+    "mistral": Family("llama", "MistralForCausalLM"),
+    "qwen2": Family("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM"),
+    "gemma2": Family("gemma2", "Gemma2ForCausalLM", sliding_pattern=2),
+    "gemma3_text": Family("gemma3", "Gemma3ForCausalLM", sliding_pattern=6),
+    "phi3": Family("phi3", "Phi3ForCausalLM"),
+    "gemma3": Family("gemma3", "Gemma3ForConditionalGeneration", runs_in_engine=False, sliding_pattern=6),
+}
+# Hugging Face model_type -> llama.cpp's architecture; a GGUF file's own name (llama, qwen2) maps to itself.
+GGUF_ARCHITECTURES = {kind: f.gguf for kind, f in FAMILIES.items() if f.gguf}
+# llama.cpp's architecture -> the Hugging Face model_type a GGUF file of it reads back as.
+FROM_GGUF = {arch: next(kind for kind, f in FAMILIES.items() if f.gguf == arch) for arch in dict.fromkeys(GGUF_ARCHITECTURES.values())}
+# llama.cpp's layer pattern of sliding-window attention, by its architecture: it reads only the window
+# from the file, and which layers slide it knows by itself (llama_hparams::set_swa_pattern).
+SLIDING_PATTERN = {f.gguf: f.sliding_pattern for f in FAMILIES.values() if f.gguf and f.sliding_pattern > 1}
+RUNS_IN_ENGINE = tuple(kind for kind, f in FAMILIES.items() if f.runs_in_engine)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from core.architecture import Architecture, Rope
+from core.architecture import SLIDING_PATTERN, Architecture, Rope
 from core.errors import InputError
 
 MAX_GGUF_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
@@ -178,11 +178,6 @@ def from_gguf(fields: dict, tensors: dict[str, tuple[int, ...]], where: str) -> 
 
 
 _LARGE = 1 << 31
-
-
-# llama.cpp's layer pattern of sliding-window attention, by architecture: it reads only the window
-# from the file, and which layers slide it knows by itself (llama_hparams::set_swa_pattern).
-SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
 
 
 def llama_cpp_windows(arch: str, layers: int, window: int) -> tuple[int | None, ...]:

@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
 
-from core.architecture import GGUF_ARCHITECTURES, Architecture, Rope
+from core.architecture import GGUF_ARCHITECTURES, SLIDING_PATTERN, Architecture, Rope
 from core.errors import InputError
 from core.rope import llama3_bands, to_pairs_side_by_side
 from core.tensors import GGMLTensor, StoredGGMLTensor
-from formats.architecture import SLIDING_PATTERN, llama_cpp_windows
+from formats.architecture import llama_cpp_windows
 from formats.hf import HFCheckpoint
 from formats.hub import model_name
 from formats.sentencepiece_model import read_sentencepiece

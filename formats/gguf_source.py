@@ -24,7 +24,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from core.architecture import Architecture, Rope
+from core.architecture import FAMILIES, FROM_GGUF, Architecture, Rope
 from core.errors import InputError
 from core.rope import from_pairs_side_by_side
 from core.tensors import StoredGGMLTensor
@@ -33,10 +33,6 @@ from formats.gguf import gguf_name, llama3_divisors
 from formats.gguf_file import GGUFHeader, GGUFTensorInfo, read_gguf_header
 from formats.hf import TOKENIZER_FILES, is_linear_weight, read_json
 
-# llama.cpp architecture -> transformers' model_type and class: the ones the GGUF writer makes.
-MODELS = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-          "qwen3": ("qwen3", "Qwen3ForCausalLM"), "phi3": ("phi3", "Phi3ForCausalLM"),
-          "gemma2": ("gemma2", "Gemma2ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
 # What the two descriptions of the model must agree on.
 _SAME = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "windows", "tied_embeddings",
          "qkv_bias", "post_norms", "qk_norm", "attn_softcap", "final_softcap", "fused_projections")
@@ -58,9 +54,9 @@ class GGUFCheckpoint:
         header = read_gguf_header(path)
         by_name = {t.name: t for t in header.tensors}
         kind = header.fields.get("general.architecture")
-        if kind not in MODELS:
+        if kind not in FROM_GGUF:
             raise InputError(f"{path}: GGUF architecture '{kind}' is not one quantbench reads "
-                             f"(it reads {', '.join(MODELS)})")
+                             f"(it reads {', '.join(FROM_GGUF)})")
         where = str(path)
         stored = from_gguf(header.fields, {t.name: t.shape for t in header.tensors}, where)
         config = _hf_config(header.fields, stored, by_name, path)
@@ -202,7 +198,8 @@ def _hf_config(fields: dict, stored: Architecture, tensors: dict[str, GGUFTensor
     """The config.json of the model llama.cpp runs from the file: its metadata, and what llama.cpp
     assumes for the architecture where the file says nothing."""
     kind = fields["general.architecture"]
-    model_type, cls = MODELS[kind]
+    model_type = FROM_GGUF[kind]
+    cls = FAMILIES[model_type].causal_lm
     if len(set(stored.kv_heads)) > 1:
         raise InputError(f"{path}: KV heads differ between layers ({sorted(set(stored.kv_heads))}); "
                          f"transformers' {model_type} has one count")

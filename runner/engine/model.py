@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from core.architecture import Architecture, Rope
+from core.architecture import RUNS_IN_ENGINE, Architecture, Rope
 from core.errors import InputError
 from core.rope import llama3_bands
 from formats.hf import HFCheckpoint
@@ -34,7 +34,6 @@ from formats.quantized_checkpoint import QuantizedCheckpoint
 from runner.engine.kv_cache import KVPool
 from runner.engine.linear import Linear, fused, make_linear
 
-RUNNABLE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
@@ -115,9 +114,9 @@ class DecoderModel:
 
     def __init__(self, ckpt: HFCheckpoint | QuantizedCheckpoint, dtype: torch.dtype, device: torch.device):
         arch = ckpt.arch
-        if arch.model_type not in RUNNABLE:
+        if arch.model_type not in RUNS_IN_ENGINE:
             raise InputError(f"{ckpt.path}: model_type '{arch.model_type}' is not one the engine runs "
-                             f"(it runs {', '.join(RUNNABLE)})")
+                             f"(it runs {', '.join(RUNS_IN_ENGINE)})")
         if arch.activation not in ACTIVATIONS:
             raise InputError(f"{ckpt.path}: activation '{arch.activation}' is not one the engine runs "
                              f"(it runs {', '.join(ACTIVATIONS)})")
