@@ -190,7 +190,7 @@ def test_quantize_fns_total_error(qtype: str, limit: float, expected: float) -> 
 
 
 def test_rejects_bad_shapes() -> None:
-    with pytest.raises(ValueError, match="n_per_row % 256"):
+    with pytest.raises(ValueError, match="multiple of 256"):
         quantize_q6_k(np.zeros((2, 100), np.float32))
     with pytest.raises(ValueError, match="importance weights"):
         quantize_q3_k(np.zeros((2, 256), np.float32), np.ones(128, np.float32))

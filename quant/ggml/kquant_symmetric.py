@@ -19,16 +19,16 @@ from collections.abc import Callable
 
 import numpy as np
 
+from quant.ggml.numerics import F32, GROUP_MAX_EPS, element_major, first_absmax, importance, nearest_int, seqsum
+from quant.ggml.rows import checked_rows, encode_by_rows
+from quant.ggml.search import symmetric_search
+
 QK_K = 256
 SUB = 16  # elements per sub-block
 Q6_K_BYTES = 210
 Q3_K_BYTES = 110
 
 _CHUNK_ELEMENTS = 1 << 19  # rows per chunk are chosen to stay near this many input values
-_GROUP_MAX_EPS = np.float32(1e-15)  # ggml's GROUP_MAX_EPS: a group this small is all zero
-_ROUND_MAGIC = np.float32(12582912.0)  # 1.5 * 2**23, the constant of ggml's nearest_int
-
-F32 = np.float32
 
 
 def quantize_q6_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
@@ -57,31 +57,12 @@ def _encode_rows(
     encode_chunk: Callable[[np.ndarray, np.ndarray | None], np.ndarray],
     block_bytes: int,
 ) -> np.ndarray:
-    """Validate, then encode rows in chunks so intermediates stay a bounded multiple of a chunk."""
-    x = np.ascontiguousarray(x, dtype=F32)
-    if x.ndim != 2 or x.shape[1] % QK_K:
-        raise ValueError(f"expected [rows, n_per_row] with n_per_row % {QK_K} == 0, got {x.shape}")
-    rows, n = x.shape
-    weights = None
-    if qw is not None:
-        qw = np.ascontiguousarray(qw, dtype=F32)
-        if qw.shape != (n,):
-            raise ValueError(f"importance weights must have shape ({n},), got {qw.shape}")
-        # Element-major like the data: weights[i, 0, s] belongs to element i of sub-block s.
-        weights = np.ascontiguousarray(qw.reshape(n // SUB, SUB).T[:, None, :])
-    out = np.empty((rows, n // QK_K * block_bytes), dtype=np.uint8)
-    step = max(1, _CHUNK_ELEMENTS // n)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        for start in range(0, rows, step):
-            chunk = x[start:start + step]
-            out[start:start + step] = encode_chunk(chunk, weights).reshape(len(chunk), -1)
-    return out
-
-
-def _element_major(x: np.ndarray) -> np.ndarray:
-    """``[rows, n]`` -> ``[16, rows, n/16]``: element i of every sub-block is one contiguous slice."""
-    rows, n = x.shape
-    return np.ascontiguousarray(x.reshape(rows, n // SUB, SUB).transpose(2, 0, 1))
+    """Check, then encode rows in chunks, with the importance laid out element-major like the data."""
+    x, qw = checked_rows(x, qw, QK_K)
+    n = x.shape[1]
+    # weights[i, 0, s] belongs to element i of sub-block s.
+    weights = None if qw is None else np.ascontiguousarray(qw.reshape(n // SUB, SUB).T[:, None, :])
+    return encode_by_rows(x, n // QK_K * block_bytes, _CHUNK_ELEMENTS, lambda chunk: encode_chunk(chunk, weights))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -96,13 +77,13 @@ def _q6_k_chunk(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
     """
     rows, n = x.shape
     nb = n // QK_K
-    xt = _element_major(x)
+    xt = element_major(x, SUB)
     w = xt * xt if qw is None else qw
-    scale, L = _symmetric_search(xt, w, 32)
+    scale, L = symmetric_search(xt, w, 32)
 
     scales = scale.reshape(rows, nb, SUB)
-    max_scale = _first_absmax(np.moveaxis(scales, 2, 0))
-    empty = np.abs(max_scale) < _GROUP_MAX_EPS
+    max_scale = first_absmax(np.moveaxis(scales, 2, 0))
+    empty = np.abs(max_scale) < GROUP_MAX_EPS
     iscale = F32(-128) / np.where(empty, F32(1), max_scale)
     d = (F32(1) / iscale).astype(np.float16)
     # MIN(127, nearest_int(..)) stored to int8; the product lies within [-128, 128].
@@ -143,7 +124,7 @@ def _q3_k_chunk(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
     """Q3_K blocks for a chunk of rows: ``quantize_row_q3_K_ref``, or ``_impl`` when qw is given."""
     rows, n = x.shape
     nb = n // QK_K
-    xt = _element_major(x)
+    xt = element_major(x, SUB)
     if qw is None:
         scale, L = _q3_greedy_search(xt)
         s, d = _q3_k_scales_ref(scale.reshape(rows, nb, SUB))
@@ -161,7 +142,7 @@ def _q3_k_scales_ref(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     A block whose largest scale is exactly zero keeps all-zero scale bytes and d = 0.
     """
-    max_scale = _first_absmax(np.moveaxis(scales, 2, 0))
+    max_scale = first_absmax(np.moveaxis(scales, 2, 0))
     nonzero = max_scale != 0
     iscale = F32(-32) / np.where(nonzero, max_scale, F32(1))
     # ggml stores nearest_int into an int8 before clamping; the product lies within [-32, 32].
@@ -185,9 +166,9 @@ def _q3_k_subblocks_imatrix(
     sum_x2 = np.add.accumulate(x2, axis=2)[..., -1]  # sequential, as ggml sums
     sigma2 = F32(2) * sum_x2 / F32(QK_K)
     sigma2 = np.repeat(sigma2, QK_K // SUB, axis=1)[None]  # [1, rows, sub-blocks]
-    w = qw * np.sqrt(sigma2 + xt * xt)
-    sw = _seq_sum(w)
-    scale, L = _symmetric_search(xt, w, 4)
+    w = importance(qw, xt, sigma2)
+    sw = seqsum(w)
+    scale, L = symmetric_search(xt, w, 4)
     return scale, L, sw
 
 
@@ -197,7 +178,7 @@ def _q3_k_scales_imatrix(scales: np.ndarray, sw: np.ndarray) -> tuple[np.ndarray
     """
     st = np.ascontiguousarray(scales.transpose(2, 0, 1))
     swt = np.ascontiguousarray(sw.transpose(2, 0, 1))
-    d_block, Ls = _symmetric_search(st, swt, 32)
+    d_block, Ls = symmetric_search(st, swt, 32)
     return Ls.transpose(1, 2, 0).astype(np.uint8), d_block.astype(np.float16)
 
 
@@ -223,89 +204,6 @@ def _pack_q3_k(L: np.ndarray, s: np.ndarray, d: np.ndarray) -> np.ndarray:
     )
 
 
-# ----------------------------------------------------------------------------------------------
-# Shared numerics
-
-
-def _seq_sum(t: np.ndarray) -> np.ndarray:
-    """Sum over axis 0 left to right from 0.0f, as ggml's loops do (np.sum would sum pairwise)."""
-    acc = np.zeros(t.shape[1:], dtype=F32)
-    for i in range(t.shape[0]):
-        np.add(acc, t[i], out=acc)
-    return acc
-
-
-def _first_absmax(x: np.ndarray) -> np.ndarray:
-    """Over axis 0: the signed value of the first element of largest magnitude.
-
-    That is what ggml's strict ``>`` scan finds; only the sign needs the scan, done on booleans
-    from the last element back so the first hit wins.
-    """
-    ax = np.abs(x)
-    amax = ax.max(axis=0)
-    negative = np.zeros(amax.shape, dtype=bool)
-    for i in range(x.shape[0] - 1, -1, -1):
-        hit = ax[i] == amax
-        negative &= ~hit
-        negative |= hit & np.signbit(x[i])
-    return np.where(negative, -amax, amax)
-
-
-def _symmetric_search(x: np.ndarray, w: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """``make_qx_quants(rmse_type=1)`` over every group: x ~ scale * l, l in [-nmax, nmax-1].
-
-    ``x`` is ``[16, *groups]`` and ``w`` broadcasts to it. Tries iscale = -(nmax + 0.1 s)/max for
-    s = 0, -9..9 and keeps the candidate maximising sumlx^2/suml2 (least weighted squared error).
-    Only the winning iscale is kept; its quants are recomputed once at the end, as ggml does.
-    Returns the scale per group and L = l + nmax, or 0 and L = 0 for an all-zero group.
-    """
-    amax_x = _first_absmax(x)
-    zero = np.abs(amax_x) < _GROUP_MAX_EPS
-    mx = np.where(zero, F32(1), amax_x)  # all-zero groups then round to l = 0: their scale is 0
-    wx = w * x
-    lo, hi = F32(-nmax), F32(nmax - 1)
-    l = np.empty(mx.shape, dtype=F32)
-    t = np.empty(mx.shape, dtype=F32)
-
-    def sums(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        # Element by element, so the working set is a few group-sized vectors that stay in cache.
-        sumlx = np.zeros(mx.shape, dtype=F32)
-        suml2 = np.zeros(mx.shape, dtype=F32)
-        for i in range(SUB):
-            np.multiply(iscale, x[i], out=l)
-            np.rint(l, out=l)
-            np.clip(l, lo, hi, out=l)
-            np.multiply(w[i], l, out=t)
-            np.multiply(t, l, out=t)
-            np.add(suml2, t, out=suml2)
-            np.multiply(wx[i], l, out=l)
-            np.add(sumlx, l, out=sumlx)
-        return sumlx, suml2
-
-    best_iscale = F32(-nmax) / mx
-    sumlx, suml2 = sums(best_iscale)
-    scale = np.divide(sumlx, suml2, out=np.zeros_like(sumlx), where=suml2 != 0)
-    best = scale * sumlx
-    # Few groups improve at each step: update those through flat views of the (contiguous) state.
-    scale_f, best_f, best_iscale_f = scale.reshape(-1), best.reshape(-1), best_iscale.reshape(-1)
-    for s in range(-9, 10):
-        if s == 0:
-            continue
-        iscale = -(F32(nmax) + F32(0.1) * F32(s)) / mx
-        sumlx, suml2 = sums(iscale)
-        better = np.flatnonzero((suml2 > 0) & (sumlx * sumlx > best * suml2))
-        lx = sumlx.reshape(-1)[better]
-        scale_f[better] = lx / suml2.reshape(-1)[better]
-        best_f[better] = scale_f[better] * lx
-        best_iscale_f[better] = iscale.reshape(-1)[better]
-
-    L = np.rint(best_iscale * x)
-    np.clip(L, lo, hi, out=L)
-    L += F32(nmax)
-    L[:, zero] = 0
-    return scale, L
-
-
 def _q3_greedy_search(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``make_q3_quants(nmax=4, do_rmse=true)`` over every group of ``x [16, *groups]``.
 
@@ -323,15 +221,15 @@ def _q3_greedy_search(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     Returns the scale per group and L = l + 4, or 0 and L = 0 for an all-zero group.
     """
     xf = x.reshape(SUB, -1)
-    amax_x = _first_absmax(xf)
-    zero = np.abs(amax_x) < _GROUP_MAX_EPS
+    amax_x = first_absmax(xf)
+    zero = np.abs(amax_x) < GROUP_MAX_EPS
     mx = np.where(zero, F32(1), amax_x)  # all-zero groups then round to l = 0: their scale is 0
     w = xf * xf
     wx = w * xf
     L = np.rint((F32(-4) / mx) * xf)
     np.clip(L, F32(-4), F32(3), out=L)
-    sumlx = _seq_sum(wx * L)
-    suml2 = _seq_sum(w * L * L)
+    sumlx = seqsum(wx * L)
+    suml2 = seqsum(w * L * L)
 
     idx = np.flatnonzero(~zero & (mx < 0))
     # np.take keeps rows contiguous (xf[:, idx] would not), so each element's slice stays dense.
@@ -365,7 +263,7 @@ def _q3_greedy_pass(
         li = L[i]
         slx = sumlx - wx[i] * li
         sl2 = suml2 - w[i] * li * li
-        nl = _nearest_int(x[i] * sl2 / slx)
+        nl = nearest_int(x[i] * sl2 / slx)
         np.clip(nl, F32(-4), F32(3), out=nl)
         j = np.flatnonzero((slx > 0) & (nl != li))
         if j.size == 0:
@@ -378,16 +276,6 @@ def _q3_greedy_pass(
         li[j], sumlx[j], suml2[j] = nl[ok], slx[ok], sl2[ok]
         changed[j] = True
     return changed
-
-
-def _nearest_int(v: np.ndarray) -> np.ndarray:
-    """ggml's ``nearest_int`` bit for bit, as float32.
-
-    It equals round-half-to-even only for |v| <= 4194303; the greedy step divides by a sum that
-    can underflow towards zero for tiny inputs, so there the out-of-range result must match too.
-    """
-    bits = (v + _ROUND_MAGIC).view(np.int32)
-    return ((bits & 0x007FFFFF) - 0x00400000).astype(F32)
 
 
 def _requantize(xt: np.ndarray, L: np.ndarray, dj: np.ndarray, offset: int) -> np.ndarray:
