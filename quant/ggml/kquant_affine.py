@@ -20,12 +20,15 @@ chunking.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from quant.ggml.numerics import F32, ZERO, f16_bytes, fp16r, importance, nearest_int, seqsum
 from quant.ggml.rows import checked_rows
 from quant.ggml.search import affine_search, qp_quants
+from quant.ggml.types import GGMLType
 
 QK_K = 256
 # Super-blocks per chunk (128K values, 512 KB per float32 work array). Smaller chunks keep the
@@ -37,19 +40,18 @@ _CHUNK_BLOCKS = 512
 Encoder = Callable[[np.ndarray, np.ndarray | None], np.ndarray]
 
 
-def quantize_q4_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
-    """Q4_K bytes of ``x [rows, n_per_row]`` (144 per 256 values), as ``ggml_quantize_chunk`` writes."""
-    return _quantize(x, qw, 144, _encode_q4_k)
+class _AffineK(GGMLType):
+    """An affine K-quant: super-blocks of 256 values, encoded ``_CHUNK_BLOCKS`` at a time by
+    ``encode_blocks`` (``[B, 256]`` values and their importance, or None, to ``[B, type_size]``)."""
 
+    takes_imatrix = True
+    parallel = True
+    encode_blocks: ClassVar[Encoder]
 
-def quantize_q5_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
-    """Q5_K bytes of ``x [rows, n_per_row]`` (176 per 256 values), as ``ggml_quantize_chunk`` writes."""
-    return _quantize(x, qw, 176, _encode_q5_k)
-
-
-def quantize_q2_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
-    """Q2_K bytes of ``x [rows, n_per_row]`` (84 per 256 values), as ``ggml_quantize_chunk`` writes."""
-    return _quantize(x, qw, 84, _encode_q2_k)
+    @classmethod
+    def quantize(cls, rows: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
+        """``[n, row bytes]`` of float32 ``rows [n, width]``, as ``ggml_quantize_chunk`` writes them."""
+        return _quantize(rows, imatrix, cls.type_size, cls.encode_blocks)
 
 
 def q4_k_parts(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -102,51 +104,60 @@ def _quantize(x: np.ndarray, qw: np.ndarray | None, block_bytes: int, encode: En
     return out.reshape(rows, per_row * block_bytes)
 
 
-def _encode_q4_k(xb: np.ndarray, qwb: np.ndarray | None) -> np.ndarray:
+class Q4_K(_AffineK, qtype=GGMLQuantizationType.Q4_K):
     """Q4_K: nibble pairs hold elements l and l + 32 of each 64, so two sub-blocks share 32 bytes."""
-    d, dmin, scales, L = _encode_k4(xb, qwb, nmax=15, ref_search=(-1.0, 0.1, 20), clamp_imatrix_scales=False)
-    Lb = _block_order(L)
-    qs = Lb.reshape(-1, 4, 2, 32)
-    qs = qs[:, :, 0] | (qs[:, :, 1] << 4)
-    return np.concatenate([f16_bytes(d), f16_bytes(dmin), scales, qs.reshape(-1, 128)], axis=1)
+
+    @staticmethod
+    def encode_blocks(xb: np.ndarray, qwb: np.ndarray | None) -> np.ndarray:
+        d, dmin, scales, L = _encode_k4(xb, qwb, nmax=15, ref_search=(-1.0, 0.1, 20), clamp_imatrix_scales=False)
+        Lb = _block_order(L)
+        qs = Lb.reshape(-1, 4, 2, 32)
+        qs = qs[:, :, 0] | (qs[:, :, 1] << 4)
+        return np.concatenate([f16_bytes(d), f16_bytes(dmin), scales, qs.reshape(-1, 128)], axis=1)
 
 
-def _encode_q5_k(xb: np.ndarray, qwb: np.ndarray | None) -> np.ndarray:
+class Q5_K(_AffineK, qtype=GGMLQuantizationType.Q5_K):
     """Q5_K: Q4_K's nibbles for the low 4 bits, plus one byte of 5th bits per lane l of 32."""
-    d, dmin, scales, L = _encode_k4(xb, qwb, nmax=31, ref_search=(-0.5, 0.1, 15), clamp_imatrix_scales=True)
-    Lb = _block_order(L)
-    low = (Lb & 15).reshape(-1, 4, 2, 32)
-    qs = low[:, :, 0] | (low[:, :, 1] << 4)
-    high = (Lb >> 4).reshape(-1, 8, 32)  # bit j of qh[l] is the 5th bit of element 32j + l
-    qh = np.zeros((len(Lb), 32), dtype=np.uint8)
-    for j in range(8):
-        qh |= high[:, j] << j
-    return np.concatenate([f16_bytes(d), f16_bytes(dmin), scales, qh, qs.reshape(-1, 128)], axis=1)
+
+    @staticmethod
+    def encode_blocks(xb: np.ndarray, qwb: np.ndarray | None) -> np.ndarray:
+        d, dmin, scales, L = _encode_k4(xb, qwb, nmax=31, ref_search=(-0.5, 0.1, 15), clamp_imatrix_scales=True)
+        Lb = _block_order(L)
+        low = (Lb & 15).reshape(-1, 4, 2, 32)
+        qs = low[:, :, 0] | (low[:, :, 1] << 4)
+        high = (Lb >> 4).reshape(-1, 8, 32)  # bit j of qh[l] is the 5th bit of element 32j + l
+        qh = np.zeros((len(Lb), 32), dtype=np.uint8)
+        for j in range(8):
+            qh |= high[:, j] << j
+        return np.concatenate([f16_bytes(d), f16_bytes(dmin), scales, qh, qs.reshape(-1, 128)], axis=1)
 
 
-def _encode_q2_k(xb: np.ndarray, qwb: np.ndarray | None) -> np.ndarray:
+class Q2_K(_AffineK, qtype=GGMLQuantizationType.Q2_K):
     """Q2_K: 16 sub-blocks of 16, each with a 4-bit scale and min sharing a byte (a_j | b_j << 4)."""
-    xs = _groups(xb, 16)
-    if qwb is None:
-        # Reference path: weights |x|, absolute-error search, sub-scales "max then /15".
-        scale, off, L = affine_search(xs, np.abs(xs), 3, -0.5, 0.1, 15, use_mad=True, guarded=False)
-        a, d = _max_quantize(scale, 15)
-        b, dmin = _max_quantize(off, 15)
-        byte = a | ((b << 4) & 0xFF)
-    else:
-        w = _imatrix_weights(xs, _groups(qwb, 16), F32(1.0))
-        sw = seqsum(w)
-        scale, off, L = affine_search(xs, w, 3, -0.9, 0.05, 36, use_mad=False, guarded=True)
-        d, Ls = qp_quants(scale, sw, 15)
-        dmin, Lm = qp_quants(off, sw, 15)
-        byte = (Ls.astype(np.int64) | (Lm.astype(np.int64) << 4)) & 0xFF
-    d, dmin = fp16r(d), fp16r(dmin)
-    L = _requantize(xs, L, d * (byte & 15).astype(F32), dmin * (byte >> 4).astype(F32), 3)
-    Lb = _block_order(L).reshape(-1, 2, 4, 32)
-    qs = Lb[:, :, 0] | (Lb[:, :, 1] << 2) | (Lb[:, :, 2] << 4) | (Lb[:, :, 3] << 6)
-    return np.concatenate(
-        [byte.T.astype(np.uint8), qs.reshape(-1, 64), f16_bytes(d), f16_bytes(dmin)], axis=1
-    )
+
+    @staticmethod
+    def encode_blocks(xb: np.ndarray, qwb: np.ndarray | None) -> np.ndarray:
+        xs = _groups(xb, 16)
+        if qwb is None:
+            # Reference path: weights |x|, absolute-error search, sub-scales "max then /15".
+            scale, off, L = affine_search(xs, np.abs(xs), 3, -0.5, 0.1, 15, use_mad=True, guarded=False)
+            a, d = _max_quantize(scale, 15)
+            b, dmin = _max_quantize(off, 15)
+            byte = a | ((b << 4) & 0xFF)
+        else:
+            w = _imatrix_weights(xs, _groups(qwb, 16), F32(1.0))
+            sw = seqsum(w)
+            scale, off, L = affine_search(xs, w, 3, -0.9, 0.05, 36, use_mad=False, guarded=True)
+            d, Ls = qp_quants(scale, sw, 15)
+            dmin, Lm = qp_quants(off, sw, 15)
+            byte = (Ls.astype(np.int64) | (Lm.astype(np.int64) << 4)) & 0xFF
+        d, dmin = fp16r(d), fp16r(dmin)
+        L = _requantize(xs, L, d * (byte & 15).astype(F32), dmin * (byte >> 4).astype(F32), 3)
+        Lb = _block_order(L).reshape(-1, 2, 4, 32)
+        qs = Lb[:, :, 0] | (Lb[:, :, 1] << 2) | (Lb[:, :, 2] << 4) | (Lb[:, :, 3] << 6)
+        return np.concatenate(
+            [byte.T.astype(np.uint8), qs.reshape(-1, 64), f16_bytes(d), f16_bytes(dmin)], axis=1
+        )
 
 
 def _encode_k4(

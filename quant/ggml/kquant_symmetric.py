@@ -16,35 +16,34 @@ never changes the bytes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from quant.ggml.numerics import F32, GROUP_MAX_EPS, element_major, first_absmax, importance, nearest_int, seqsum
 from quant.ggml.rows import checked_rows, encode_by_rows
 from quant.ggml.search import symmetric_search
+from quant.ggml.types import GGMLType
 
 QK_K = 256
 SUB = 16  # elements per sub-block
-Q6_K_BYTES = 210
-Q3_K_BYTES = 110
 
 _CHUNK_ELEMENTS = 1 << 19  # rows per chunk are chosen to stay near this many input values
 
 
-def quantize_q6_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
-    """Encode float32 rows ``x [rows, n_per_row]`` as Q6_K; ``qw`` is the importance per column.
+class _SymmetricK(GGMLType):
+    """A symmetric K-quant: ``encode_chunk`` turns a chunk of rows ``[rows, n]`` and the importance
+    laid out element-major (``[16, 1, n/16]``, or None) into ``[rows, n/256, type_size]`` bytes."""
 
-    Returns uint8 ``[rows, n_per_row // 256 * 210]``.
-    """
-    return _encode_rows(x, qw, _q6_k_chunk, Q6_K_BYTES)
+    takes_imatrix = True
+    parallel = True
+    encode_chunk: ClassVar[Callable[[np.ndarray, np.ndarray | None], np.ndarray]]
 
-
-def quantize_q3_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
-    """Encode float32 rows ``x [rows, n_per_row]`` as Q3_K; ``qw`` is the importance per column.
-
-    Returns uint8 ``[rows, n_per_row // 256 * 110]``.
-    """
-    return _encode_rows(x, qw, _q3_k_chunk, Q3_K_BYTES)
+    @classmethod
+    def quantize(cls, rows: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
+        """``[n, row bytes]`` of float32 ``rows [n, width]``, as ``ggml_quantize_chunk`` writes them."""
+        return _encode_rows(rows, imatrix, cls.encode_chunk, cls.type_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -69,33 +68,36 @@ def _encode_rows(
 # Q6_K
 
 
-def _q6_k_chunk(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+class Q6_K(_SymmetricK, qtype=GGMLQuantizationType.Q6_K):
     """Q6_K blocks for a chunk of rows (reference path, or ``quantize_row_q6_K_impl`` with qw).
 
     With an importance matrix ggml feeds qw to the sub-block search directly (its sigma2 weighting
     is commented out for Q6_K), so both paths differ only in the search weights.
     """
-    rows, n = x.shape
-    nb = n // QK_K
-    xt = element_major(x, SUB)
-    w = xt * xt if qw is None else qw
-    scale, L = symmetric_search(xt, w, 32)
 
-    scales = scale.reshape(rows, nb, SUB)
-    max_scale = first_absmax(np.moveaxis(scales, 2, 0))
-    empty = np.abs(max_scale) < GROUP_MAX_EPS
-    iscale = F32(-128) / np.where(empty, F32(1), max_scale)
-    d = (F32(1) / iscale).astype(np.float16)
-    # MIN(127, nearest_int(..)) stored to int8; the product lies within [-128, 128].
-    q = np.minimum(np.rint(iscale[..., None] * scales), F32(127)).astype(np.int32).astype(np.int8)
-    d[empty] = 0
-    q[empty] = 0
+    @staticmethod
+    def encode_chunk(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+        rows, n = x.shape
+        nb = n // QK_K
+        xt = element_major(x, SUB)
+        w = xt * xt if qw is None else qw
+        scale, L = symmetric_search(xt, w, 32)
 
-    dj = d.astype(F32)[..., None] * q.astype(F32)
-    L = _requantize(xt, L, dj.reshape(rows, nb * SUB), 32)
-    L = L.transpose(1, 2, 0).reshape(rows, nb, QK_K).astype(np.uint8)
-    L[empty] = 0  # ggml zeroes the whole block
-    return _pack_q6_k(L, q, d)
+        scales = scale.reshape(rows, nb, SUB)
+        max_scale = first_absmax(np.moveaxis(scales, 2, 0))
+        empty = np.abs(max_scale) < GROUP_MAX_EPS
+        iscale = F32(-128) / np.where(empty, F32(1), max_scale)
+        d = (F32(1) / iscale).astype(np.float16)
+        # MIN(127, nearest_int(..)) stored to int8; the product lies within [-128, 128].
+        q = np.minimum(np.rint(iscale[..., None] * scales), F32(127)).astype(np.int32).astype(np.int8)
+        d[empty] = 0
+        q[empty] = 0
+
+        dj = d.astype(F32)[..., None] * q.astype(F32)
+        L = _requantize(xt, L, dj.reshape(rows, nb * SUB), 32)
+        L = L.transpose(1, 2, 0).reshape(rows, nb, QK_K).astype(np.uint8)
+        L[empty] = 0  # ggml zeroes the whole block
+        return _pack_q6_k(L, q, d)
 
 
 def _pack_q6_k(L: np.ndarray, scales: np.ndarray, d: np.ndarray) -> np.ndarray:
@@ -120,21 +122,24 @@ def _pack_q6_k(L: np.ndarray, scales: np.ndarray, d: np.ndarray) -> np.ndarray:
 # Q3_K
 
 
-def _q3_k_chunk(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+class Q3_K(_SymmetricK, qtype=GGMLQuantizationType.Q3_K):
     """Q3_K blocks for a chunk of rows: ``quantize_row_q3_K_ref``, or ``_impl`` when qw is given."""
-    rows, n = x.shape
-    nb = n // QK_K
-    xt = element_major(x, SUB)
-    if qw is None:
-        scale, L = _q3_greedy_search(xt)
-        s, d = _q3_k_scales_ref(scale.reshape(rows, nb, SUB))
-    else:
-        scale, L, sw = _q3_k_subblocks_imatrix(x, xt, qw)
-        s, d = _q3_k_scales_imatrix(scale.reshape(rows, nb, SUB), sw.reshape(rows, nb, SUB))
-    dj = d.astype(F32)[..., None] * (s.astype(F32) - F32(32))
-    L = _requantize(xt, L, dj.reshape(rows, nb * SUB), 4)
-    L = L.transpose(1, 2, 0).reshape(rows, nb, QK_K).astype(np.uint8)
-    return _pack_q3_k(L, s, d)
+
+    @staticmethod
+    def encode_chunk(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+        rows, n = x.shape
+        nb = n // QK_K
+        xt = element_major(x, SUB)
+        if qw is None:
+            scale, L = _q3_greedy_search(xt)
+            s, d = _q3_k_scales_ref(scale.reshape(rows, nb, SUB))
+        else:
+            scale, L, sw = _q3_k_subblocks_imatrix(x, xt, qw)
+            s, d = _q3_k_scales_imatrix(scale.reshape(rows, nb, SUB), sw.reshape(rows, nb, SUB))
+        dj = d.astype(F32)[..., None] * (s.astype(F32) - F32(32))
+        L = _requantize(xt, L, dj.reshape(rows, nb * SUB), 4)
+        L = L.transpose(1, 2, 0).reshape(rows, nb, QK_K).astype(np.uint8)
+        return _pack_q3_k(L, s, d)
 
 
 def _q3_k_scales_ref(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

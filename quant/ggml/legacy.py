@@ -28,12 +28,15 @@ are independent, so the bytes do not depend on the chunking.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from quant.ggml.numerics import F32, element_major, f16_bytes, importance
 from quant.ggml.rows import checked_rows, encode_by_rows
 from quant.ggml.search import affine_search, symmetric_search
+from quant.ggml.types import GGMLType
 
 QK = 32  # elements per block
 # Input values per chunk (1 MB per float32 work array): big enough that per-block bookkeeping is
@@ -43,24 +46,21 @@ _CHUNK_ELEMENTS = 1 << 18
 Encoder = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
-def quantize_q4_0(x: np.ndarray, qw: np.ndarray) -> np.ndarray:
-    """Q4_0 bytes (18 per 32 values) of ``x [rows, n_per_row]`` with importance ``qw [n_per_row]``."""
-    return _quantize(x, qw, 18, _encode_q4_0)
+class _Legacy(GGMLType):
+    """A legacy 32-block type: gguf-py's reference encoder without an importance matrix (byte-exact
+    there), ours with one. ``encode_blocks`` fits and packs element-major blocks ``[32, rows,
+    blocks]`` given their search weights."""
 
+    takes_imatrix = True
+    parallel = True
+    encode_blocks: ClassVar[Encoder]
 
-def quantize_q4_1(x: np.ndarray, qw: np.ndarray) -> np.ndarray:
-    """Q4_1 bytes (20 per 32 values) of ``x [rows, n_per_row]`` with importance ``qw [n_per_row]``."""
-    return _quantize(x, qw, 20, _encode_q4_1)
-
-
-def quantize_q5_0(x: np.ndarray, qw: np.ndarray) -> np.ndarray:
-    """Q5_0 bytes (22 per 32 values) of ``x [rows, n_per_row]`` with importance ``qw [n_per_row]``."""
-    return _quantize(x, qw, 22, _encode_q5_0)
-
-
-def quantize_q5_1(x: np.ndarray, qw: np.ndarray) -> np.ndarray:
-    """Q5_1 bytes (24 per 32 values) of ``x [rows, n_per_row]`` with importance ``qw [n_per_row]``."""
-    return _quantize(x, qw, 24, _encode_q5_1)
+    @classmethod
+    def quantize(cls, rows: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
+        """``[n, row bytes]`` of float32 ``rows [n, width]``, weighted by ``imatrix [width]`` if given."""
+        if imatrix is None:
+            return super().quantize(rows)
+        return _quantize(rows, imatrix, cls.type_size, cls.encode_blocks)
 
 
 def q4_0_from_levels(levels: np.ndarray, d: np.ndarray) -> np.ndarray:
@@ -103,28 +103,40 @@ def _weights(rows: np.ndarray, xe: np.ndarray, qw_e: np.ndarray) -> np.ndarray:
 # Encoders: search, then pack (§2 block layouts)
 
 
-def _encode_q4_0(xe: np.ndarray, w: np.ndarray) -> np.ndarray:
+class Q4_0(_Legacy, qtype=GGMLQuantizationType.Q4_0):
     """Q4_0 block: fp16 d, then nibbles (element j low, j + 16 high); value (q − 8)·d."""
-    d, L = _symmetric(xe, w, 8)
-    return np.concatenate([f16_bytes(d), _nibbles(L)], axis=2)
+
+    @staticmethod
+    def encode_blocks(xe: np.ndarray, w: np.ndarray) -> np.ndarray:
+        d, L = _symmetric(xe, w, 8)
+        return np.concatenate([f16_bytes(d), _nibbles(L)], axis=2)
 
 
-def _encode_q5_0(xe: np.ndarray, w: np.ndarray) -> np.ndarray:
+class Q5_0(_Legacy, qtype=GGMLQuantizationType.Q5_0):
     """Q5_0 block: fp16 d, uint32 of 5th bits, low nibbles; value (q − 16)·d."""
-    d, L = _symmetric(xe, w, 16)
-    return np.concatenate([f16_bytes(d), _high_bits(L), _nibbles(L)], axis=2)
+
+    @staticmethod
+    def encode_blocks(xe: np.ndarray, w: np.ndarray) -> np.ndarray:
+        d, L = _symmetric(xe, w, 16)
+        return np.concatenate([f16_bytes(d), _high_bits(L), _nibbles(L)], axis=2)
 
 
-def _encode_q4_1(xe: np.ndarray, w: np.ndarray) -> np.ndarray:
+class Q4_1(_Legacy, qtype=GGMLQuantizationType.Q4_1):
     """Q4_1 block: fp16 d, fp16 m, nibbles; value d·q + m."""
-    d, m, L = _affine(xe, w, 15)
-    return np.concatenate([f16_bytes(d), f16_bytes(m), _nibbles(L)], axis=2)
+
+    @staticmethod
+    def encode_blocks(xe: np.ndarray, w: np.ndarray) -> np.ndarray:
+        d, m, L = _affine(xe, w, 15)
+        return np.concatenate([f16_bytes(d), f16_bytes(m), _nibbles(L)], axis=2)
 
 
-def _encode_q5_1(xe: np.ndarray, w: np.ndarray) -> np.ndarray:
+class Q5_1(_Legacy, qtype=GGMLQuantizationType.Q5_1):
     """Q5_1 block: fp16 d, fp16 m, uint32 of 5th bits, low nibbles; value d·q + m."""
-    d, m, L = _affine(xe, w, 31)
-    return np.concatenate([f16_bytes(d), f16_bytes(m), _high_bits(L), _nibbles(L)], axis=2)
+
+    @staticmethod
+    def encode_blocks(xe: np.ndarray, w: np.ndarray) -> np.ndarray:
+        d, m, L = _affine(xe, w, 31)
+        return np.concatenate([f16_bytes(d), f16_bytes(m), _high_bits(L), _nibbles(L)], axis=2)
 
 
 def _nibbles(L: np.ndarray) -> np.ndarray:
