@@ -13,7 +13,7 @@ Work is vectorised across all sub-blocks of a chunk of super-blocks, laid out el
 ([element, sub-block]) so that a sequential sum over a sub-block is one ``np.add.reduce`` over the
 outer axis; Python loops only over search steps. Nearly all the time goes into the weighted search,
 whose cost is the number of numpy passes over the chunk per step plus a fixed cost per call, so the
-search keeps both few (see ``_affine_search``). Blocks are independent: the bytes do not depend on
+search keeps both few (see ``quant.ggml.search.affine_search``). Blocks are independent: the bytes do not depend on
 chunking.
 """
 
@@ -28,7 +28,7 @@ from gguf import GGMLQuantizationType
 from quant.ggml.numerics import F32, ZERO, f16_bytes, fp16r, importance, nearest_int, seqsum
 from quant.ggml.rows import checked_rows
 from quant.ggml.search import affine_search, qp_quants
-from quant.ggml.types import GGMLType
+from quant.ggml.types import PortedType
 
 QK_K = 256
 # Super-blocks per chunk (128K values, 512 KB per float32 work array). Smaller chunks keep the
@@ -40,12 +40,10 @@ _CHUNK_BLOCKS = 512
 Encoder = Callable[[np.ndarray, np.ndarray | None], np.ndarray]
 
 
-class _AffineK(GGMLType):
+class _AffineK(PortedType):
     """An affine K-quant: super-blocks of 256 values, encoded ``_CHUNK_BLOCKS`` at a time by
     ``encode_blocks`` (``[B, 256]`` values and their importance, or None, to ``[B, type_size]``)."""
 
-    takes_imatrix = True
-    parallel = True
     encode_blocks: ClassVar[Encoder]
 
     @classmethod

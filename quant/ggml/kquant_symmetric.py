@@ -23,8 +23,8 @@ from gguf import GGMLQuantizationType
 
 from quant.ggml.numerics import F32, GROUP_MAX_EPS, element_major, first_absmax, importance, nearest_int, seqsum
 from quant.ggml.rows import checked_rows, encode_by_rows
-from quant.ggml.search import symmetric_search
-from quant.ggml.types import GGMLType
+from quant.ggml.search import signed_max, symmetric_search
+from quant.ggml.types import PortedType
 
 QK_K = 256
 SUB = 16  # elements per sub-block
@@ -32,12 +32,10 @@ SUB = 16  # elements per sub-block
 _CHUNK_ELEMENTS = 1 << 19  # rows per chunk are chosen to stay near this many input values
 
 
-class _SymmetricK(GGMLType):
+class _SymmetricK(PortedType):
     """A symmetric K-quant: ``encode_chunk`` turns a chunk of rows ``[rows, n]`` and the importance
     laid out element-major (``[16, 1, n/16]``, or None) into ``[rows, n/256, type_size]`` bytes."""
 
-    takes_imatrix = True
-    parallel = True
     encode_chunk: ClassVar[Callable[[np.ndarray, np.ndarray | None], np.ndarray]]
 
     @classmethod
@@ -226,9 +224,7 @@ def _q3_greedy_search(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     Returns the scale per group and L = l + 4, or 0 and L = 0 for an all-zero group.
     """
     xf = x.reshape(SUB, -1)
-    amax_x = first_absmax(xf)
-    zero = np.abs(amax_x) < GROUP_MAX_EPS
-    mx = np.where(zero, F32(1), amax_x)  # all-zero groups then round to l = 0: their scale is 0
+    mx, zero = signed_max(xf)
     w = xf * xf
     wx = w * xf
     L = np.rint((F32(-4) / mx) * xf)

@@ -36,7 +36,7 @@ from gguf import GGMLQuantizationType
 from quant.ggml.numerics import F32, element_major, f16_bytes, importance
 from quant.ggml.rows import checked_rows, encode_by_rows
 from quant.ggml.search import affine_search, symmetric_search
-from quant.ggml.types import GGMLType
+from quant.ggml.types import PortedType
 
 QK = 32  # elements per block
 # Input values per chunk (1 MB per float32 work array): big enough that per-block bookkeeping is
@@ -46,14 +46,13 @@ _CHUNK_ELEMENTS = 1 << 18
 Encoder = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
-class _Legacy(GGMLType):
+class _Legacy(PortedType):
     """A legacy 32-block type: gguf-py's reference encoder without an importance matrix (byte-exact
     there), ours with one. ``encode_blocks`` fits and packs element-major blocks ``[32, rows,
     blocks]`` given their search weights."""
 
-    takes_imatrix = True
-    parallel = True
-    encode_blocks: ClassVar[Encoder]
+    bits: ClassVar[int] = 4  # per quant; a 5th bit goes into a uint32 after the scales
+    offset: ClassVar[bool] = False  # x ≈ d·q + m (affine search) rather than d·(q − 2^(bits−1))
 
     @classmethod
     def quantize(cls, rows: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
@@ -61,6 +60,21 @@ class _Legacy(GGMLType):
         if imatrix is None:
             return super().quantize(rows)
         return _quantize(rows, imatrix, cls.type_size, cls.encode_blocks)
+
+    @classmethod
+    def encode_blocks(cls, xe: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """Fit element-major blocks ``[32, rows, blocks]`` with their search weights, then pack
+        them (§2 block layouts): the fp16 fields, the 5th bits if any, the low nibbles."""
+        levels = 1 << cls.bits
+        if cls.offset:
+            d, m, L = _affine(xe, w, levels - 1)
+            fields = [f16_bytes(d), f16_bytes(m)]
+        else:
+            d, L = _symmetric(xe, w, levels // 2)
+            fields = [f16_bytes(d)]
+        if cls.bits == 5:
+            fields.append(_high_bits(L))
+        return np.concatenate([*fields, _nibbles(L)], axis=2)
 
 
 def q4_0_from_levels(levels: np.ndarray, d: np.ndarray) -> np.ndarray:
@@ -100,43 +114,29 @@ def _weights(rows: np.ndarray, xe: np.ndarray, qw_e: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------------
-# Encoders: search, then pack (§2 block layouts)
+# The types: what each stores
 
 
 class Q4_0(_Legacy, qtype=GGMLQuantizationType.Q4_0):
-    """Q4_0 block: fp16 d, then nibbles (element j low, j + 16 high); value (q − 8)·d."""
-
-    @staticmethod
-    def encode_blocks(xe: np.ndarray, w: np.ndarray) -> np.ndarray:
-        d, L = _symmetric(xe, w, 8)
-        return np.concatenate([f16_bytes(d), _nibbles(L)], axis=2)
+    """x ≈ d·(q − 8): fp16 d, then nibbles (element j low, j + 16 high)."""
 
 
 class Q5_0(_Legacy, qtype=GGMLQuantizationType.Q5_0):
-    """Q5_0 block: fp16 d, uint32 of 5th bits, low nibbles; value (q − 16)·d."""
+    """x ≈ d·(q − 16): fp16 d, a uint32 of 5th bits, then the low nibbles."""
 
-    @staticmethod
-    def encode_blocks(xe: np.ndarray, w: np.ndarray) -> np.ndarray:
-        d, L = _symmetric(xe, w, 16)
-        return np.concatenate([f16_bytes(d), _high_bits(L), _nibbles(L)], axis=2)
+    bits = 5
 
 
 class Q4_1(_Legacy, qtype=GGMLQuantizationType.Q4_1):
-    """Q4_1 block: fp16 d, fp16 m, nibbles; value d·q + m."""
+    """x ≈ d·q + m: fp16 d, fp16 m, then nibbles."""
 
-    @staticmethod
-    def encode_blocks(xe: np.ndarray, w: np.ndarray) -> np.ndarray:
-        d, m, L = _affine(xe, w, 15)
-        return np.concatenate([f16_bytes(d), f16_bytes(m), _nibbles(L)], axis=2)
+    offset = True
 
 
 class Q5_1(_Legacy, qtype=GGMLQuantizationType.Q5_1):
-    """Q5_1 block: fp16 d, fp16 m, uint32 of 5th bits, low nibbles; value d·q + m."""
+    """x ≈ d·q + m: fp16 d, fp16 m, a uint32 of 5th bits, then the low nibbles."""
 
-    @staticmethod
-    def encode_blocks(xe: np.ndarray, w: np.ndarray) -> np.ndarray:
-        d, m, L = _affine(xe, w, 31)
-        return np.concatenate([f16_bytes(d), f16_bytes(m), _high_bits(L), _nibbles(L)], axis=2)
+    bits, offset = 5, True
 
 
 def _nibbles(L: np.ndarray) -> np.ndarray:

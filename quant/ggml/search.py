@@ -29,6 +29,15 @@ from quant.ggml.numerics import (
 _MIN_GAP = 1e-30  # a group range below which iscale = num/range might overflow float32
 
 
+def signed_max(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What a symmetric search divides by: each group's first largest-magnitude value, with its
+    sign, and which groups are all zero (largest |x| below 1e-15). Those get 1, so that they round
+    to l = 0 and a scale of 0 instead of dividing by zero."""
+    amax_x = first_absmax(x)
+    zero = np.abs(amax_x) < GROUP_MAX_EPS
+    return np.where(zero, F32(1), amax_x), zero
+
+
 def symmetric_search(x: np.ndarray, w: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     """ggml's ``make_qx_quants`` (rmse_type 1) over every group: x ≈ scale·l, l in [−nmax, nmax − 1].
 
@@ -39,9 +48,7 @@ def symmetric_search(x: np.ndarray, w: np.ndarray, nmax: int) -> tuple[np.ndarra
     copying them at every step. Returns the scale per group and ``L = l + nmax`` (float32), or 0
     and L = 0 for a group whose largest |x| is below 1e-15 (all zero).
     """
-    amax_x = first_absmax(x)
-    zero = np.abs(amax_x) < GROUP_MAX_EPS
-    mx = np.where(zero, F32(1), amax_x)  # all-zero groups then round to l = 0: their scale is 0
+    mx, zero = signed_max(x)
     wx = w * x  # ggml's w*x[i]*l is (w·x)·l
     lo, hi = F32(-nmax), F32(nmax - 1)
     l = np.empty(mx.shape, dtype=F32)

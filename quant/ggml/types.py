@@ -67,6 +67,14 @@ def type_names() -> tuple[str, ...]:
     return tuple(_TYPES)
 
 
+class PortedType(GGMLType):
+    """A type whose encoder is our byte-exact port of llama.cpp's: it reads an importance matrix,
+    and it is slow enough (a weighted search per group) to be worth worker processes."""
+
+    takes_imatrix = True
+    parallel = True
+
+
 class F32(GGMLType, qtype=GGMLQuantizationType.F32):
     """Stored as is."""
 
