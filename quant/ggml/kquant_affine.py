@@ -102,32 +102,42 @@ def _quantize(x: np.ndarray, qw: np.ndarray | None, block_bytes: int, encode: En
     return out.reshape(rows, per_row * block_bytes)
 
 
-class Q4_K(_AffineK, qtype=GGMLQuantizationType.Q4_K):
-    """Q4_K: nibble pairs hold elements l and l + 32 of each 64, so two sub-blocks share 32 bytes."""
+class _K4(_AffineK):
+    """Q4_K and Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins (``_encode_k4``); nibble pairs
+    hold elements l and l + 32 of each 64, so two sub-blocks share 32 bytes, and Q5_K adds one
+    byte of 5th bits per lane l of 32 before them."""
 
-    @staticmethod
-    def encode_blocks(xb: np.ndarray, qwb: np.ndarray | None) -> np.ndarray:
-        d, dmin, scales, L = _encode_k4(xb, qwb, nmax=15, ref_search=(-1.0, 0.1, 20), clamp_imatrix_scales=False)
-        Lb = _block_order(L)
-        qs = Lb.reshape(-1, 4, 2, 32)
-        qs = qs[:, :, 0] | (qs[:, :, 1] << 4)
-        return np.concatenate([f16_bytes(d), f16_bytes(dmin), scales, qs.reshape(-1, 128)], axis=1)
+    nmax: ClassVar[int]
+    ref_search: ClassVar[tuple[float, float, int]]  # rmin, rdelta, nstep of the reference path
+    clamp_imatrix_scales: ClassVar[bool]
 
-
-class Q5_K(_AffineK, qtype=GGMLQuantizationType.Q5_K):
-    """Q5_K: Q4_K's nibbles for the low 4 bits, plus one byte of 5th bits per lane l of 32."""
-
-    @staticmethod
-    def encode_blocks(xb: np.ndarray, qwb: np.ndarray | None) -> np.ndarray:
-        d, dmin, scales, L = _encode_k4(xb, qwb, nmax=31, ref_search=(-0.5, 0.1, 15), clamp_imatrix_scales=True)
+    @classmethod
+    def encode_blocks(cls, xb: np.ndarray, qwb: np.ndarray | None) -> np.ndarray:
+        """``[B, type_size]`` bytes of super-blocks ``xb [B, 256]`` and their importance (or None)."""
+        d, dmin, scales, L = _encode_k4(xb, qwb, cls.nmax, cls.ref_search, cls.clamp_imatrix_scales)
         Lb = _block_order(L)
         low = (Lb & 15).reshape(-1, 4, 2, 32)
         qs = low[:, :, 0] | (low[:, :, 1] << 4)
-        high = (Lb >> 4).reshape(-1, 8, 32)  # bit j of qh[l] is the 5th bit of element 32j + l
-        qh = np.zeros((len(Lb), 32), dtype=np.uint8)
-        for j in range(8):
-            qh |= high[:, j] << j
-        return np.concatenate([f16_bytes(d), f16_bytes(dmin), scales, qh, qs.reshape(-1, 128)], axis=1)
+        fields = [f16_bytes(d), f16_bytes(dmin), scales]
+        if cls.nmax > 15:
+            high = (Lb >> 4).reshape(-1, 8, 32)  # bit j of qh[l] is the 5th bit of element 32j + l
+            qh = np.zeros((len(Lb), 32), dtype=np.uint8)
+            for j in range(8):
+                qh |= high[:, j] << j
+            fields.append(qh)
+        return np.concatenate([*fields, qs.reshape(-1, 128)], axis=1)
+
+
+class Q4_K(_K4, qtype=GGMLQuantizationType.Q4_K):
+    """x ≈ d·sc_j·q − dmin·m_j with 4-bit q; the importance path packs its scales unclamped."""
+
+    nmax, ref_search, clamp_imatrix_scales = 15, (-1.0, 0.1, 20), False
+
+
+class Q5_K(_K4, qtype=GGMLQuantizationType.Q5_K):
+    """Q4_K with 5-bit q; the importance path clamps its scales to 63 again."""
+
+    nmax, ref_search, clamp_imatrix_scales = 31, (-0.5, 0.1, 15), True
 
 
 class Q2_K(_AffineK, qtype=GGMLQuantizationType.Q2_K):
