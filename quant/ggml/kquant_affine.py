@@ -26,7 +26,6 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from quant.ggml.numerics import F32, ZERO, f16_bytes, fp16r, importance, nearest_int, seqsum
-from quant.ggml.rows import checked_rows
 from quant.ggml.search import affine_search, qp_quants
 from quant.ggml.types import PortedType
 
@@ -47,9 +46,25 @@ class _AffineK(PortedType):
     encode_blocks: ClassVar[Encoder]
 
     @classmethod
-    def quantize(cls, rows: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
-        """``[n, row bytes]`` of float32 ``rows [n, width]``, as ``ggml_quantize_chunk`` writes them."""
-        return _quantize(rows, imatrix, cls.type_size, cls.encode_blocks)
+    def encode_rows(cls, x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+        """Split the rows into super-blocks and encode them chunk by chunk.
+
+        ggml gives every super-block the importance weights of its own columns, so each chunk gets the
+        matching slice of ``qw`` however the chunk boundaries fall across rows.
+        """
+        rows, n_per_row = x.shape
+        per_row = n_per_row // QK_K
+        blocks = x.reshape(-1, QK_K)
+        qw_blocks = None if qw is None else qw.reshape(per_row, QK_K)
+        out = np.empty((len(blocks), cls.type_size), dtype=np.uint8)
+        # Division by zero, overflow and NaN happen in ggml too (flat groups, subnormal data, rejected
+        # candidates); the encoders mask or reproduce their effect instead of avoiding them.
+        with np.errstate(all="ignore"):
+            for start in range(0, len(blocks), _CHUNK_BLOCKS):
+                stop = min(start + _CHUNK_BLOCKS, len(blocks))
+                qwb = None if qw_blocks is None else qw_blocks[np.arange(start, stop) % per_row]
+                out[start:stop] = cls.encode_blocks(blocks[start:stop], qwb)
+        return out.reshape(rows, per_row * cls.type_size)
 
 
 def q4_k_parts(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -74,32 +89,6 @@ def q4_k_from_parts(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, m: np.ndarr
     qs = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
     return np.concatenate([f16_bytes(np.asarray(d, F32)), f16_bytes(np.asarray(dmin, F32)), scales,
                            qs.reshape(-1, 128)], axis=1)
-
-
-# ------------------------------------------------------------------------------------------------
-# Driver
-
-
-def _quantize(x: np.ndarray, qw: np.ndarray | None, block_bytes: int, encode: Encoder) -> np.ndarray:
-    """Split the rows into super-blocks and encode them chunk by chunk.
-
-    ggml gives every super-block the importance weights of its own columns, so each chunk gets the
-    matching slice of ``qw`` however the chunk boundaries fall across rows.
-    """
-    x, qw = checked_rows(x, qw, QK_K)
-    rows, n_per_row = x.shape
-    per_row = n_per_row // QK_K
-    blocks = x.reshape(-1, QK_K)
-    qw_blocks = None if qw is None else qw.reshape(per_row, QK_K)
-    out = np.empty((len(blocks), block_bytes), dtype=np.uint8)
-    # Division by zero, overflow and NaN happen in ggml too (flat groups, subnormal data, rejected
-    # candidates); the encoders mask or reproduce their effect instead of avoiding them.
-    with np.errstate(all="ignore"):
-        for start in range(0, len(blocks), _CHUNK_BLOCKS):
-            stop = min(start + _CHUNK_BLOCKS, len(blocks))
-            qwb = None if qw_blocks is None else qw_blocks[np.arange(start, stop) % per_row]
-            out[start:stop] = encode(blocks[start:stop], qwb)
-    return out.reshape(rows, per_row * block_bytes)
 
 
 class _K4(_AffineK):
@@ -153,12 +142,8 @@ class Q2_K(_AffineK, qtype=GGMLQuantizationType.Q2_K):
             b, dmin = _max_quantize(off, 15)
             byte = a | ((b << 4) & 0xFF)
         else:
-            w = _imatrix_weights(xs, _groups(qwb, 16), F32(1.0))
-            sw = seqsum(w)
-            scale, off, L = affine_search(xs, w, 3, -0.9, 0.05, 36, use_mad=False, guarded=True)
-            d, Ls = qp_quants(scale, sw, 15)
-            dmin, Lm = qp_quants(off, sw, 15)
-            byte = (Ls.astype(np.int64) | (Lm.astype(np.int64) << 4)) & 0xFF
+            d, dmin, Ls, Lm, L = _imatrix_scales(xs, _groups(qwb, 16), F32(1.0), 3, 15)
+            byte = (Ls | (Lm << 4)) & 0xFF
         d, dmin = fp16r(d), fp16r(dmin)
         L = _requantize(xs, L, d * (byte & 15).astype(F32), dmin * (byte >> 4).astype(F32), 3)
         Lb = _block_order(L).reshape(-1, 2, 4, 32)
@@ -191,12 +176,7 @@ def _encode_k4(
         ls, d = _max_quantize(scale, 63, clamp=True)
         lm, dmin = _max_quantize(off, 63, clamp=True)
     else:
-        w = _imatrix_weights(xs, _groups(qwb, 32), F32(2.0))
-        sw = seqsum(w)
-        scale, off, L = affine_search(xs, w, nmax, -0.9, 0.05, 36, use_mad=False, guarded=True)
-        d, ls = qp_quants(scale, sw, 63)
-        dmin, lm = qp_quants(off, sw, 63)
-        ls, lm = ls.astype(np.int64), lm.astype(np.int64)
+        d, dmin, ls, lm, L = _imatrix_scales(xs, _groups(qwb, 32), F32(2.0), nmax, 63)
         if clamp_imatrix_scales:  # Q5_K clamps to 63 again; Q4_K packs Ls as they are.
             ls, lm = np.minimum(ls, 63), np.minimum(lm, 63)
     scales = _pack_k4(ls, lm)
@@ -251,13 +231,26 @@ def _unpack_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # Sub-block scales
 
 
-def _imatrix_weights(xs: np.ndarray, qws: np.ndarray, factor: np.float32) -> np.ndarray:
-    """Importance weights with ``sigma2 = factor·Σx²/256`` over the whole super-block.
+def _imatrix_scales(
+    xs: np.ndarray, qws: np.ndarray, factor: np.float32, nmax: int, levels: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The importance-matrix path of Q2_K, Q4_K and Q5_K (``quantize_row_q*_K_impl``), up to the
+    packing of the sub-scales, which differs per type.
 
-    Σx² runs over the 256 values in element order (sub-block by sub-block).
+    Weights are ``qw·sqrt(sigma2 + x²)`` with ``sigma2 = factor·Σx²/256`` over the whole
+    super-block (Σx² in element order, sub-block by sub-block); the weighted affine search to
+    0..nmax runs from rmin −0.9 in 36 steps of 0.05, and its scales and mins are quantized to
+    0..levels by ``make_qp_quants``, weighted by each sub-block's weight sum. Returns the unrounded
+    ``d``, ``dmin`` [B], the sub-scale and sub-min quants (int64, as C's ``uint8_t`` holds them)
+    [nsub, B] and the search's quants [group, nsub, B].
     """
     sum_x2 = seqsum((xs * xs).transpose(1, 0, 2).reshape(QK_K, -1))
-    return importance(qws, xs, factor * sum_x2 / F32(QK_K))
+    w = importance(qws, xs, factor * sum_x2 / F32(QK_K))
+    sw = seqsum(w)
+    scale, off, L = affine_search(xs, w, nmax, -0.9, 0.05, 36, use_mad=False, guarded=True)
+    d, ls = qp_quants(scale, sw, levels)
+    dmin, lm = qp_quants(off, sw, levels)
+    return d, dmin, ls.astype(np.int64), lm.astype(np.int64), L
 
 
 def _max_quantize(v: np.ndarray, levels: int, clamp: bool = False) -> tuple[np.ndarray, np.ndarray]:

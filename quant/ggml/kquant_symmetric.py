@@ -22,7 +22,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from quant.ggml.numerics import F32, GROUP_MAX_EPS, element_major, first_absmax, importance, nearest_int, seqsum
-from quant.ggml.rows import checked_rows, encode_by_rows
+from quant.ggml.rows import encode_by_rows
 from quant.ggml.search import signed_max, symmetric_search
 from quant.ggml.types import PortedType
 
@@ -33,69 +33,69 @@ _CHUNK_ELEMENTS = 1 << 19  # rows per chunk are chosen to stay near this many in
 
 
 class _SymmetricK(PortedType):
-    """A symmetric K-quant: ``encode_chunk`` turns a chunk of rows ``[rows, n]`` and the importance
-    laid out element-major (``[16, 1, n/16]``, or None) into ``[rows, n/256, type_size]`` bytes."""
+    """A symmetric K-quant, encoded a chunk of rows at a time by ``encode_chunk``.
 
-    encode_chunk: ClassVar[Callable[[np.ndarray, np.ndarray | None], np.ndarray]]
+    Q6_K and Q3_K differ in how they choose a block's signed sub-block scales and its fp16 ``d``
+    (``block_scales``), in the offset their quants are stored with and in their byte layout
+    (``pack``); what follows the scales is the same in both (ggml refits every quant to its stored
+    step ``d·scale_j``), so it is written once, here.
+    """
+
+    quant_offset: ClassVar[int]  # stored quant = l + quant_offset, l in [-quant_offset, quant_offset - 1]
+    block_scales: ClassVar[Callable[[np.ndarray, np.ndarray, np.ndarray | None], tuple[np.ndarray, np.ndarray, np.ndarray]]]
+    pack: ClassVar[Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]]
 
     @classmethod
-    def quantize(cls, rows: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
-        """``[n, row bytes]`` of float32 ``rows [n, width]``, as ``ggml_quantize_chunk`` writes them."""
-        return _encode_rows(rows, imatrix, cls.encode_chunk, cls.type_size)
+    def encode_rows(cls, x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+        """Encode rows in chunks, with the importance laid out element-major like the data."""
+        n = x.shape[1]
+        # weights[i, 0, s] belongs to element i of sub-block s.
+        weights = None if qw is None else np.ascontiguousarray(qw.reshape(n // SUB, SUB).T[:, None, :])
+        row_bytes = n // QK_K * cls.type_size
+        return encode_by_rows(x, row_bytes, _CHUNK_ELEMENTS, lambda chunk: cls.encode_chunk(chunk, weights))
 
+    @classmethod
+    def encode_chunk(cls, x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+        """``[rows, n/256, type_size]`` bytes of a chunk of rows ``x [rows, n]``, given the importance
+        laid out element-major (``[16, 1, n/16]``) or None.
 
-# ----------------------------------------------------------------------------------------------
-# Driver
-
-
-def _encode_rows(
-    x: np.ndarray,
-    qw: np.ndarray | None,
-    encode_chunk: Callable[[np.ndarray, np.ndarray | None], np.ndarray],
-    block_bytes: int,
-) -> np.ndarray:
-    """Check, then encode rows in chunks, with the importance laid out element-major like the data."""
-    x, qw = checked_rows(x, qw, QK_K)
-    n = x.shape[1]
-    # weights[i, 0, s] belongs to element i of sub-block s.
-    weights = None if qw is None else np.ascontiguousarray(qw.reshape(n // SUB, SUB).T[:, None, :])
-    return encode_by_rows(x, n // QK_K * block_bytes, _CHUNK_ELEMENTS, lambda chunk: encode_chunk(chunk, weights))
+        ``block_scales`` returns fp16 ``d`` [rows, n/256], the signed sub-block scales
+        [rows, n/256, 16] and the quants of the sub-block search (element-major, as ``xt``).
+        """
+        rows = len(x)
+        xt = element_major(x, SUB)
+        d, scales, L = cls.block_scales(x, xt, qw)
+        dj = d.astype(F32)[..., None] * scales.astype(F32)
+        L = _requantize(xt, L, dj.reshape(rows, -1), cls.quant_offset)
+        return cls.pack(L.transpose(1, 2, 0).reshape(rows, -1, QK_K).astype(np.uint8), scales, d)
 
 
 # ----------------------------------------------------------------------------------------------
 # Q6_K
 
 
-class Q6_K(_SymmetricK, qtype=GGMLQuantizationType.Q6_K):
-    """Q6_K blocks for a chunk of rows (reference path, or ``quantize_row_q6_K_impl`` with qw).
+def _q6_k_scales(x: np.ndarray, xt: np.ndarray, qw: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """fp16 d, int8 sub-block scales (linear in the largest |scale|) and the search's quants, on
+    the reference path or as ``quantize_row_q6_K_impl`` with qw.
 
     With an importance matrix ggml feeds qw to the sub-block search directly (its sigma2 weighting
-    is commented out for Q6_K), so both paths differ only in the search weights.
+    is commented out for Q6_K), so both paths differ only in the search weights. ggml zeroes
+    every quant of a block whose largest scale is below 1e-15; such a block's d and scales are 0,
+    so its steps are 0 and the refit keeps the quants zeroed here.
     """
-
-    @staticmethod
-    def encode_chunk(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
-        rows, n = x.shape
-        nb = n // QK_K
-        xt = element_major(x, SUB)
-        w = xt * xt if qw is None else qw
-        scale, L = symmetric_search(xt, w, 32)
-
-        scales = scale.reshape(rows, nb, SUB)
-        max_scale = first_absmax(np.moveaxis(scales, 2, 0))
-        empty = np.abs(max_scale) < GROUP_MAX_EPS
-        iscale = F32(-128) / np.where(empty, F32(1), max_scale)
-        d = (F32(1) / iscale).astype(np.float16)
-        # MIN(127, nearest_int(..)) stored to int8; the product lies within [-128, 128].
-        q = np.minimum(np.rint(iscale[..., None] * scales), F32(127)).astype(np.int32).astype(np.int8)
-        d[empty] = 0
-        q[empty] = 0
-
-        dj = d.astype(F32)[..., None] * q.astype(F32)
-        L = _requantize(xt, L, dj.reshape(rows, nb * SUB), 32)
-        L = L.transpose(1, 2, 0).reshape(rows, nb, QK_K).astype(np.uint8)
-        L[empty] = 0  # ggml zeroes the whole block
-        return _pack_q6_k(L, q, d)
+    w = xt * xt if qw is None else qw
+    scale, L = symmetric_search(xt, w, 32)
+    scales = scale.reshape(len(x), -1, SUB)
+    max_scale = first_absmax(np.moveaxis(scales, 2, 0))
+    empty = np.abs(max_scale) < GROUP_MAX_EPS
+    iscale = F32(-128) / np.where(empty, F32(1), max_scale)
+    d = (F32(1) / iscale).astype(np.float16)
+    # MIN(127, nearest_int(..)) stored to int8; the product lies within [-128, 128].
+    q = np.minimum(np.rint(iscale[..., None] * scales), F32(127)).astype(np.int32).astype(np.int8)
+    d[empty] = 0
+    q[empty] = 0
+    L[:, np.repeat(empty, SUB, axis=1)] = 0
+    return d, q, L
 
 
 def _pack_q6_k(L: np.ndarray, scales: np.ndarray, d: np.ndarray) -> np.ndarray:
@@ -116,28 +116,27 @@ def _pack_q6_k(L: np.ndarray, scales: np.ndarray, d: np.ndarray) -> np.ndarray:
     )
 
 
+class Q6_K(_SymmetricK, qtype=GGMLQuantizationType.Q6_K):
+    """6-bit quants and int8 sub-block scales, one fp16 d per super-block."""
+
+    quant_offset, block_scales, pack = 32, staticmethod(_q6_k_scales), staticmethod(_pack_q6_k)
+
+
 # ----------------------------------------------------------------------------------------------
 # Q3_K
 
 
-class Q3_K(_SymmetricK, qtype=GGMLQuantizationType.Q3_K):
-    """Q3_K blocks for a chunk of rows: ``quantize_row_q3_K_ref``, or ``_impl`` when qw is given."""
-
-    @staticmethod
-    def encode_chunk(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
-        rows, n = x.shape
-        nb = n // QK_K
-        xt = element_major(x, SUB)
-        if qw is None:
-            scale, L = _q3_greedy_search(xt)
-            s, d = _q3_k_scales_ref(scale.reshape(rows, nb, SUB))
-        else:
-            scale, L, sw = _q3_k_subblocks_imatrix(x, xt, qw)
-            s, d = _q3_k_scales_imatrix(scale.reshape(rows, nb, SUB), sw.reshape(rows, nb, SUB))
-        dj = d.astype(F32)[..., None] * (s.astype(F32) - F32(32))
-        L = _requantize(xt, L, dj.reshape(rows, nb * SUB), 4)
-        L = L.transpose(1, 2, 0).reshape(rows, nb, QK_K).astype(np.uint8)
-        return _pack_q3_k(L, s, d)
+def _q3_k_scales(x: np.ndarray, xt: np.ndarray, qw: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """fp16 d, signed 6-bit sub-block scales (−32..31, float32) and the search's quants:
+    ``quantize_row_q3_K_ref``, or ``_impl`` when qw is given."""
+    blocks = (len(x), -1, SUB)
+    if qw is None:
+        scale, L = _q3_greedy_search(xt)
+        s, d = _q3_k_scales_ref(scale.reshape(blocks))
+    else:
+        scale, L, sw = _q3_k_subblocks_imatrix(x, xt, qw)
+        s, d = _q3_k_scales_imatrix(scale.reshape(blocks), sw.reshape(blocks))
+    return d, s.astype(F32) - F32(32), L
 
 
 def _q3_k_scales_ref(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -163,9 +162,8 @@ def _q3_k_subblocks_imatrix(
     sigma2 is twice the mean square of the super-block, so small weights still count a little
     where the importance matrix says a column matters.
     """
-    rows, n = x.shape
-    nb = n // QK_K
-    x2 = (x * x).reshape(rows, nb, QK_K)
+    rows = len(x)
+    x2 = (x * x).reshape(rows, -1, QK_K)
     sum_x2 = np.add.accumulate(x2, axis=2)[..., -1]  # sequential, as ggml sums
     sigma2 = F32(2) * sum_x2 / F32(QK_K)
     sigma2 = np.repeat(sigma2, QK_K // SUB, axis=1)[None]  # [1, rows, sub-blocks]
@@ -183,28 +181,6 @@ def _q3_k_scales_imatrix(scales: np.ndarray, sw: np.ndarray) -> tuple[np.ndarray
     swt = np.ascontiguousarray(sw.transpose(2, 0, 1))
     d_block, Ls = symmetric_search(st, swt, 32)
     return Ls.transpose(1, 2, 0).astype(np.uint8), d_block.astype(np.float16)
-
-
-def _pack_q3_k(L: np.ndarray, s: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """Lay out ``hmask | qs | scales | d`` (§2) from quants 0..7 and 6-bit scales."""
-    rows, nb = d.shape
-    bit = (L >> 2).reshape(rows, nb, 8, 32)  # high bit of element 32b + m goes to bit b of hmask[m]
-    hmask = bit[:, :, 0].copy()
-    for b in range(1, 8):
-        hmask |= bit[:, :, b] << b
-    low = (L & 3).reshape(rows, nb, 2, 4, 32)  # element 128c + 32k + l
-    qs = low[:, :, :, 0] | (low[:, :, :, 1] << 2) | (low[:, :, :, 2] << 4) | (low[:, :, :, 3] << 6)
-    high = (s >> 4).reshape(rows, nb, 4, 4)  # scale 4q + m contributes bits 2q of byte 8 + m
-    packed = np.concatenate(
-        [
-            (s[:, :, :8] & 15) | ((s[:, :, 8:] & 15) << 4),
-            high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6),
-        ],
-        axis=2,
-    )
-    return np.concatenate(
-        [hmask, qs.reshape(rows, nb, 64), packed, d[..., None].view(np.uint8)], axis=2
-    )
 
 
 def _q3_greedy_search(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -277,6 +253,36 @@ def _q3_greedy_pass(
         li[j], sumlx[j], suml2[j] = nl[ok], slx[ok], sl2[ok]
         changed[j] = True
     return changed
+
+
+def _pack_q3_k(L: np.ndarray, scales: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Lay out ``hmask | qs | scales | d`` (§2) from quants 0..7 and signed 6-bit scales, which
+    are stored plus 32."""
+    rows, nb = d.shape
+    s = (scales + F32(32)).astype(np.uint8)
+    bit = (L >> 2).reshape(rows, nb, 8, 32)  # high bit of element 32b + m goes to bit b of hmask[m]
+    hmask = bit[:, :, 0].copy()
+    for b in range(1, 8):
+        hmask |= bit[:, :, b] << b
+    low = (L & 3).reshape(rows, nb, 2, 4, 32)  # element 128c + 32k + l
+    qs = low[:, :, :, 0] | (low[:, :, :, 1] << 2) | (low[:, :, :, 2] << 4) | (low[:, :, :, 3] << 6)
+    high = (s >> 4).reshape(rows, nb, 4, 4)  # scale 4q + m contributes bits 2q of byte 8 + m
+    packed = np.concatenate(
+        [
+            (s[:, :, :8] & 15) | ((s[:, :, 8:] & 15) << 4),
+            high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6),
+        ],
+        axis=2,
+    )
+    return np.concatenate(
+        [hmask, qs.reshape(rows, nb, 64), packed, d[..., None].view(np.uint8)], axis=2
+    )
+
+
+class Q3_K(_SymmetricK, qtype=GGMLQuantizationType.Q3_K):
+    """3-bit quants and 6-bit sub-block scales, one fp16 d per super-block."""
+
+    quant_offset, block_scales, pack = 4, staticmethod(_q3_k_scales), staticmethod(_pack_q3_k)
 
 
 def _requantize(xt: np.ndarray, L: np.ndarray, dj: np.ndarray, offset: int) -> np.ndarray:

@@ -27,14 +27,14 @@ are independent, so the bytes do not depend on the chunking.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import ClassVar
 
 import numpy as np
 from gguf import GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
 
 from quant.ggml.numerics import F32, element_major, f16_bytes, importance
-from quant.ggml.rows import checked_rows, encode_by_rows
+from quant.ggml.rows import encode_by_rows
 from quant.ggml.search import affine_search, symmetric_search
 from quant.ggml.types import PortedType
 
@@ -42,8 +42,6 @@ QK = 32  # elements per block
 # Input values per chunk (1 MB per float32 work array): big enough that per-block bookkeeping is
 # cheap next to the full-array passes, small enough that the work arrays stay near the CPU caches.
 _CHUNK_ELEMENTS = 1 << 18
-
-Encoder = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
 class _Legacy(PortedType):
@@ -58,8 +56,19 @@ class _Legacy(PortedType):
     def quantize(cls, rows: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
         """``[n, row bytes]`` of float32 ``rows [n, width]``, weighted by ``imatrix [width]`` if given."""
         if imatrix is None:
-            return super().quantize(rows)
-        return _quantize(rows, imatrix, cls.type_size, cls.encode_blocks)
+            return gguf_quantize(rows, cls.qtype)
+        return super().quantize(rows, imatrix)
+
+    @classmethod
+    def encode_rows(cls, x: np.ndarray, qw: np.ndarray) -> np.ndarray:
+        """Encode chunks of rows; ``encode_blocks`` gets element-major data and weights."""
+        qw_e = element_major(qw[None, :], QK)  # [32, 1, blocks]: the weights of every row's blocks
+
+        def encode_chunk(chunk: np.ndarray) -> np.ndarray:
+            xe = element_major(chunk, QK)
+            return cls.encode_blocks(xe, _weights(chunk, xe, qw_e))
+
+        return encode_by_rows(x, x.shape[1] // QK * cls.type_size, _CHUNK_ELEMENTS, encode_chunk)
 
     @classmethod
     def encode_blocks(cls, xe: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -84,22 +93,6 @@ def q4_0_from_levels(levels: np.ndarray, d: np.ndarray) -> np.ndarray:
     rows, n = levels.shape
     blocks = element_major(levels.astype(np.uint8), QK)
     return np.concatenate([f16_bytes(np.asarray(d, dtype=F32)), _nibbles(blocks)], axis=2).reshape(rows, -1)
-
-
-# ------------------------------------------------------------------------------------------------
-# Driver
-
-
-def _quantize(x: np.ndarray, qw: np.ndarray, block_bytes: int, encode: Encoder) -> np.ndarray:
-    """Check, then encode chunks of rows; ``encode`` gets element-major data and weights."""
-    x, qw = checked_rows(x, qw, QK)
-    qw_e = element_major(qw[None, :], QK)  # [32, 1, blocks]: the weights of every row's blocks
-
-    def encode_chunk(chunk: np.ndarray) -> np.ndarray:
-        xe = element_major(chunk, QK)
-        return encode(xe, _weights(chunk, xe, qw_e))
-
-    return encode_by_rows(x, x.shape[1] // QK * block_bytes, _CHUNK_ELEMENTS, encode_chunk)
 
 
 def _weights(rows: np.ndarray, xe: np.ndarray, qw_e: np.ndarray) -> np.ndarray:

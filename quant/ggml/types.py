@@ -10,6 +10,7 @@ is byte-exact for them; the families we port ourselves define their classes besi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import numpy as np
@@ -17,6 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
 
 from core.errors import InputError
+from quant.ggml.rows import checked_rows
 
 _TYPES: dict[str, type[GGMLType]] = {}
 
@@ -69,10 +71,23 @@ def type_names() -> tuple[str, ...]:
 
 class PortedType(GGMLType):
     """A type whose encoder is our byte-exact port of llama.cpp's: it reads an importance matrix,
-    and it is slow enough (a weighted search per group) to be worth worker processes."""
+    and it is slow enough (a weighted search per group) to be worth worker processes.
+
+    Every ported family takes its input the same way, so ``quantize`` checks it here, once; the
+    family's ``encode_rows`` then encodes the checked rows chunk by chunk in its own layout.
+    """
 
     takes_imatrix = True
     parallel = True
+    # float32 rows [n, width] of whole blocks and importance [width] or None -> [n, row bytes]
+    encode_rows: ClassVar[Callable[[np.ndarray, np.ndarray | None], np.ndarray]]
+
+    @classmethod
+    def quantize(cls, rows: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
+        """``[n, row bytes]`` of float32 ``rows [n, width]``, as ``ggml_quantize_chunk`` writes them,
+        weighted by ``imatrix [width]`` if given; ValueError for what llama.cpp would reject."""
+        x, qw = checked_rows(rows, imatrix, cls.block_size)
+        return cls.encode_rows(x, qw)
 
 
 class F32(GGMLType, qtype=GGMLQuantizationType.F32):
