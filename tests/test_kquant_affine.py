@@ -19,7 +19,7 @@ import quant.ggml.kquant_affine as kq
 from conftest import TINY
 from ggml_oracle import available, ggml_quantize
 
-ENCODERS = {"Q4_K": kq.quantize_q4_k, "Q5_K": kq.quantize_q5_k, "Q2_K": kq.quantize_q2_k}
+ENCODERS = {"Q4_K": kq.Q4_K.quantize, "Q5_K": kq.Q5_K.quantize, "Q2_K": kq.Q2_K.quantize}
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q2_K": 84}
 needs_oracle = pytest.mark.skipif(not available(), reason="llama-cpp-python's libggml-base is not installed")
 
@@ -229,7 +229,7 @@ def test_q4_k_parts_read_back_llama_cpps_grid_and_write_it_again_byte_for_byte()
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((6, 512)) * rng.uniform(0.01, 1.0, (6, 1))).astype(np.float32)
     x[0, :256] = 0.0  # a super-block of zeros: d = dmin = 0
-    raw = kq.quantize_q4_k(x)
+    raw = kq.Q4_K.quantize(x)
     d, dmin, sc, m, q = kq.q4_k_parts(raw)
     assert d.shape == dmin.shape == (12,) and sc.shape == m.shape == (12, 8) and q.shape == (12, 256)
     assert q.max() <= 15 and sc.max() <= 63 and m.max() <= 63

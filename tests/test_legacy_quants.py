@@ -22,10 +22,10 @@ from conftest import TINY
 from ggml_oracle import available, ggml_quantize
 
 ENCODERS = {
-    "Q4_0": legacy.quantize_q4_0,
-    "Q4_1": legacy.quantize_q4_1,
-    "Q5_0": legacy.quantize_q5_0,
-    "Q5_1": legacy.quantize_q5_1,
+    "Q4_0": legacy.Q4_0.quantize,
+    "Q4_1": legacy.Q4_1.quantize,
+    "Q5_0": legacy.Q5_0.quantize,
+    "Q5_1": legacy.Q5_1.quantize,
 }
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}
 needs_oracle = pytest.mark.skipif(not available(), reason="llama-cpp-python's libggml-base is not installed")
@@ -254,4 +254,4 @@ def test_importance_weights_favour_the_weighted_columns(qtype: str) -> None:
 )
 def test_rejects_bad_input(x: np.ndarray, qw: np.ndarray) -> None:
     with pytest.raises(ValueError):
-        legacy.quantize_q4_0(x, qw)
+        legacy.Q4_0.quantize(x, qw)

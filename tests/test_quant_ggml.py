@@ -57,13 +57,12 @@ def test_non_finite_weights_are_refused_by_name():
 def test_tensors_split_across_worker_processes_encode_as_one_block(ggml_type, monkeypatch):
     """Large tensors are encoded in row blocks by worker processes; the bytes must not depend on
     where the rows are cut (odd row count, so the blocks differ in size)."""
-    import quant.ggml as ggml
-    from quant.ggml import kquant_affine, kquant_symmetric, legacy
+    from quant.ggml import type_named, workers
 
-    encoder = {"Q4_K": kquant_affine.quantize_q4_k, "Q6_K": kquant_symmetric.quantize_q6_k, "Q5_0": legacy.quantize_q5_0}[ggml_type]
+    encoder = type_named(ggml_type).quantize
     w = torch.randn(301, 512) * 0.02
     imatrix = np.random.default_rng(0).random(512).astype(np.float32) + 0.1
-    monkeypatch.setattr(ggml, "_cores", lambda: 3)
-    monkeypatch.setattr(ggml, "_MIN_VALUES_PER_WORKER", 512 * 50)  # three parts of ~100 rows
+    monkeypatch.setattr(workers, "_cores", lambda: 3)
+    monkeypatch.setattr(workers, "_MIN_VALUES_PER_WORKER", 512 * 50)  # three parts of ~100 rows
     split = encode(w, ggml_type, imatrix=imatrix).raw
     assert split.tobytes() == encoder(w.numpy(), imatrix).tobytes()

@@ -16,105 +16,86 @@ never changes the bytes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import numpy as np
+from gguf import GGMLQuantizationType
+
+from quant.ggml.numerics import F32, GROUP_MAX_EPS, element_major, first_absmax, importance, nearest_int, seqsum
+from quant.ggml.rows import encode_by_rows
+from quant.ggml.search import signed_max, symmetric_search
+from quant.ggml.types import PortedType
 
 QK_K = 256
 SUB = 16  # elements per sub-block
-Q6_K_BYTES = 210
-Q3_K_BYTES = 110
 
 _CHUNK_ELEMENTS = 1 << 19  # rows per chunk are chosen to stay near this many input values
-_GROUP_MAX_EPS = np.float32(1e-15)  # ggml's GROUP_MAX_EPS: a group this small is all zero
-_ROUND_MAGIC = np.float32(12582912.0)  # 1.5 * 2**23, the constant of ggml's nearest_int
-
-F32 = np.float32
 
 
-def quantize_q6_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
-    """Encode float32 rows ``x [rows, n_per_row]`` as Q6_K; ``qw`` is the importance per column.
+class _SymmetricK(PortedType):
+    """A symmetric K-quant, encoded a chunk of rows at a time by ``encode_chunk``.
 
-    Returns uint8 ``[rows, n_per_row // 256 * 210]``.
+    Q6_K and Q3_K differ in how they choose a block's signed sub-block scales and its fp16 ``d``
+    (``block_scales``), in the offset their quants are stored with and in their byte layout
+    (``pack``); what follows the scales is the same in both (ggml refits every quant to its stored
+    step ``d·scale_j``), so it is written once, here.
     """
-    return _encode_rows(x, qw, _q6_k_chunk, Q6_K_BYTES)
 
+    quant_offset: ClassVar[int]  # stored quant = l + quant_offset, l in [-quant_offset, quant_offset - 1]
+    block_scales: ClassVar[Callable[[np.ndarray, np.ndarray, np.ndarray | None], tuple[np.ndarray, np.ndarray, np.ndarray]]]
+    pack: ClassVar[Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]]
 
-def quantize_q3_k(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
-    """Encode float32 rows ``x [rows, n_per_row]`` as Q3_K; ``qw`` is the importance per column.
+    @classmethod
+    def encode_rows(cls, x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+        """Encode rows in chunks, with the importance laid out element-major like the data."""
+        n = x.shape[1]
+        # weights[i, 0, s] belongs to element i of sub-block s.
+        weights = None if qw is None else np.ascontiguousarray(qw.reshape(n // SUB, SUB).T[:, None, :])
+        row_bytes = n // QK_K * cls.type_size
+        return encode_by_rows(x, row_bytes, _CHUNK_ELEMENTS, lambda chunk: cls.encode_chunk(chunk, weights))
 
-    Returns uint8 ``[rows, n_per_row // 256 * 110]``.
-    """
-    return _encode_rows(x, qw, _q3_k_chunk, Q3_K_BYTES)
+    @classmethod
+    def encode_chunk(cls, x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+        """``[rows, n/256, type_size]`` bytes of a chunk of rows ``x [rows, n]``, given the importance
+        laid out element-major (``[16, 1, n/16]``) or None.
 
-
-# ----------------------------------------------------------------------------------------------
-# Driver
-
-
-def _encode_rows(
-    x: np.ndarray,
-    qw: np.ndarray | None,
-    encode_chunk: Callable[[np.ndarray, np.ndarray | None], np.ndarray],
-    block_bytes: int,
-) -> np.ndarray:
-    """Validate, then encode rows in chunks so intermediates stay a bounded multiple of a chunk."""
-    x = np.ascontiguousarray(x, dtype=F32)
-    if x.ndim != 2 or x.shape[1] % QK_K:
-        raise ValueError(f"expected [rows, n_per_row] with n_per_row % {QK_K} == 0, got {x.shape}")
-    rows, n = x.shape
-    weights = None
-    if qw is not None:
-        qw = np.ascontiguousarray(qw, dtype=F32)
-        if qw.shape != (n,):
-            raise ValueError(f"importance weights must have shape ({n},), got {qw.shape}")
-        # Element-major like the data: weights[i, 0, s] belongs to element i of sub-block s.
-        weights = np.ascontiguousarray(qw.reshape(n // SUB, SUB).T[:, None, :])
-    out = np.empty((rows, n // QK_K * block_bytes), dtype=np.uint8)
-    step = max(1, _CHUNK_ELEMENTS // n)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        for start in range(0, rows, step):
-            chunk = x[start:start + step]
-            out[start:start + step] = encode_chunk(chunk, weights).reshape(len(chunk), -1)
-    return out
-
-
-def _element_major(x: np.ndarray) -> np.ndarray:
-    """``[rows, n]`` -> ``[16, rows, n/16]``: element i of every sub-block is one contiguous slice."""
-    rows, n = x.shape
-    return np.ascontiguousarray(x.reshape(rows, n // SUB, SUB).transpose(2, 0, 1))
+        ``block_scales`` returns fp16 ``d`` [rows, n/256], the signed sub-block scales
+        [rows, n/256, 16] and the quants of the sub-block search (element-major, as ``xt``).
+        """
+        rows = len(x)
+        xt = element_major(x, SUB)
+        d, scales, L = cls.block_scales(x, xt, qw)
+        dj = d.astype(F32)[..., None] * scales.astype(F32)
+        L = _requantize(xt, L, dj.reshape(rows, -1), cls.quant_offset)
+        return cls.pack(L.transpose(1, 2, 0).reshape(rows, -1, QK_K).astype(np.uint8), scales, d)
 
 
 # ----------------------------------------------------------------------------------------------
 # Q6_K
 
 
-def _q6_k_chunk(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
-    """Q6_K blocks for a chunk of rows (reference path, or ``quantize_row_q6_K_impl`` with qw).
+def _q6_k_scales(x: np.ndarray, xt: np.ndarray, qw: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """fp16 d, int8 sub-block scales (linear in the largest |scale|) and the search's quants, on
+    the reference path or as ``quantize_row_q6_K_impl`` with qw.
 
     With an importance matrix ggml feeds qw to the sub-block search directly (its sigma2 weighting
-    is commented out for Q6_K), so both paths differ only in the search weights.
+    is commented out for Q6_K), so both paths differ only in the search weights. ggml zeroes
+    every quant of a block whose largest scale is below 1e-15; such a block's d and scales are 0,
+    so its steps are 0 and the refit keeps the quants zeroed here.
     """
-    rows, n = x.shape
-    nb = n // QK_K
-    xt = _element_major(x)
     w = xt * xt if qw is None else qw
-    scale, L = _symmetric_search(xt, w, 32)
-
-    scales = scale.reshape(rows, nb, SUB)
-    max_scale = _first_absmax(np.moveaxis(scales, 2, 0))
-    empty = np.abs(max_scale) < _GROUP_MAX_EPS
+    scale, L = symmetric_search(xt, w, 32)
+    scales = scale.reshape(len(x), -1, SUB)
+    max_scale = first_absmax(np.moveaxis(scales, 2, 0))
+    empty = np.abs(max_scale) < GROUP_MAX_EPS
     iscale = F32(-128) / np.where(empty, F32(1), max_scale)
     d = (F32(1) / iscale).astype(np.float16)
     # MIN(127, nearest_int(..)) stored to int8; the product lies within [-128, 128].
     q = np.minimum(np.rint(iscale[..., None] * scales), F32(127)).astype(np.int32).astype(np.int8)
     d[empty] = 0
     q[empty] = 0
-
-    dj = d.astype(F32)[..., None] * q.astype(F32)
-    L = _requantize(xt, L, dj.reshape(rows, nb * SUB), 32)
-    L = L.transpose(1, 2, 0).reshape(rows, nb, QK_K).astype(np.uint8)
-    L[empty] = 0  # ggml zeroes the whole block
-    return _pack_q6_k(L, q, d)
+    L[:, np.repeat(empty, SUB, axis=1)] = 0
+    return d, q, L
 
 
 def _pack_q6_k(L: np.ndarray, scales: np.ndarray, d: np.ndarray) -> np.ndarray:
@@ -135,25 +116,27 @@ def _pack_q6_k(L: np.ndarray, scales: np.ndarray, d: np.ndarray) -> np.ndarray:
     )
 
 
+class Q6_K(_SymmetricK, qtype=GGMLQuantizationType.Q6_K):
+    """6-bit quants and int8 sub-block scales, one fp16 d per super-block."""
+
+    quant_offset, block_scales, pack = 32, staticmethod(_q6_k_scales), staticmethod(_pack_q6_k)
+
+
 # ----------------------------------------------------------------------------------------------
 # Q3_K
 
 
-def _q3_k_chunk(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
-    """Q3_K blocks for a chunk of rows: ``quantize_row_q3_K_ref``, or ``_impl`` when qw is given."""
-    rows, n = x.shape
-    nb = n // QK_K
-    xt = _element_major(x)
+def _q3_k_scales(x: np.ndarray, xt: np.ndarray, qw: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """fp16 d, signed 6-bit sub-block scales (−32..31, float32) and the search's quants:
+    ``quantize_row_q3_K_ref``, or ``_impl`` when qw is given."""
+    blocks = (len(x), -1, SUB)
     if qw is None:
         scale, L = _q3_greedy_search(xt)
-        s, d = _q3_k_scales_ref(scale.reshape(rows, nb, SUB))
+        s, d = _q3_k_scales_ref(scale.reshape(blocks))
     else:
         scale, L, sw = _q3_k_subblocks_imatrix(x, xt, qw)
-        s, d = _q3_k_scales_imatrix(scale.reshape(rows, nb, SUB), sw.reshape(rows, nb, SUB))
-    dj = d.astype(F32)[..., None] * (s.astype(F32) - F32(32))
-    L = _requantize(xt, L, dj.reshape(rows, nb * SUB), 4)
-    L = L.transpose(1, 2, 0).reshape(rows, nb, QK_K).astype(np.uint8)
-    return _pack_q3_k(L, s, d)
+        s, d = _q3_k_scales_imatrix(scale.reshape(blocks), sw.reshape(blocks))
+    return d, s.astype(F32) - F32(32), L
 
 
 def _q3_k_scales_ref(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -161,7 +144,7 @@ def _q3_k_scales_ref(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     A block whose largest scale is exactly zero keeps all-zero scale bytes and d = 0.
     """
-    max_scale = _first_absmax(np.moveaxis(scales, 2, 0))
+    max_scale = first_absmax(np.moveaxis(scales, 2, 0))
     nonzero = max_scale != 0
     iscale = F32(-32) / np.where(nonzero, max_scale, F32(1))
     # ggml stores nearest_int into an int8 before clamping; the product lies within [-32, 32].
@@ -179,15 +162,14 @@ def _q3_k_subblocks_imatrix(
     sigma2 is twice the mean square of the super-block, so small weights still count a little
     where the importance matrix says a column matters.
     """
-    rows, n = x.shape
-    nb = n // QK_K
-    x2 = (x * x).reshape(rows, nb, QK_K)
+    rows = len(x)
+    x2 = (x * x).reshape(rows, -1, QK_K)
     sum_x2 = np.add.accumulate(x2, axis=2)[..., -1]  # sequential, as ggml sums
     sigma2 = F32(2) * sum_x2 / F32(QK_K)
     sigma2 = np.repeat(sigma2, QK_K // SUB, axis=1)[None]  # [1, rows, sub-blocks]
-    w = qw * np.sqrt(sigma2 + xt * xt)
-    sw = _seq_sum(w)
-    scale, L = _symmetric_search(xt, w, 4)
+    w = importance(qw, xt, sigma2)
+    sw = seqsum(w)
+    scale, L = symmetric_search(xt, w, 4)
     return scale, L, sw
 
 
@@ -197,113 +179,8 @@ def _q3_k_scales_imatrix(scales: np.ndarray, sw: np.ndarray) -> tuple[np.ndarray
     """
     st = np.ascontiguousarray(scales.transpose(2, 0, 1))
     swt = np.ascontiguousarray(sw.transpose(2, 0, 1))
-    d_block, Ls = _symmetric_search(st, swt, 32)
+    d_block, Ls = symmetric_search(st, swt, 32)
     return Ls.transpose(1, 2, 0).astype(np.uint8), d_block.astype(np.float16)
-
-
-def _pack_q3_k(L: np.ndarray, s: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """Lay out ``hmask | qs | scales | d`` (§2) from quants 0..7 and 6-bit scales."""
-    rows, nb = d.shape
-    bit = (L >> 2).reshape(rows, nb, 8, 32)  # high bit of element 32b + m goes to bit b of hmask[m]
-    hmask = bit[:, :, 0].copy()
-    for b in range(1, 8):
-        hmask |= bit[:, :, b] << b
-    low = (L & 3).reshape(rows, nb, 2, 4, 32)  # element 128c + 32k + l
-    qs = low[:, :, :, 0] | (low[:, :, :, 1] << 2) | (low[:, :, :, 2] << 4) | (low[:, :, :, 3] << 6)
-    high = (s >> 4).reshape(rows, nb, 4, 4)  # scale 4q + m contributes bits 2q of byte 8 + m
-    packed = np.concatenate(
-        [
-            (s[:, :, :8] & 15) | ((s[:, :, 8:] & 15) << 4),
-            high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6),
-        ],
-        axis=2,
-    )
-    return np.concatenate(
-        [hmask, qs.reshape(rows, nb, 64), packed, d[..., None].view(np.uint8)], axis=2
-    )
-
-
-# ----------------------------------------------------------------------------------------------
-# Shared numerics
-
-
-def _seq_sum(t: np.ndarray) -> np.ndarray:
-    """Sum over axis 0 left to right from 0.0f, as ggml's loops do (np.sum would sum pairwise)."""
-    acc = np.zeros(t.shape[1:], dtype=F32)
-    for i in range(t.shape[0]):
-        np.add(acc, t[i], out=acc)
-    return acc
-
-
-def _first_absmax(x: np.ndarray) -> np.ndarray:
-    """Over axis 0: the signed value of the first element of largest magnitude.
-
-    That is what ggml's strict ``>`` scan finds; only the sign needs the scan, done on booleans
-    from the last element back so the first hit wins.
-    """
-    ax = np.abs(x)
-    amax = ax.max(axis=0)
-    negative = np.zeros(amax.shape, dtype=bool)
-    for i in range(x.shape[0] - 1, -1, -1):
-        hit = ax[i] == amax
-        negative &= ~hit
-        negative |= hit & np.signbit(x[i])
-    return np.where(negative, -amax, amax)
-
-
-def _symmetric_search(x: np.ndarray, w: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """``make_qx_quants(rmse_type=1)`` over every group: x ~ scale * l, l in [-nmax, nmax-1].
-
-    ``x`` is ``[16, *groups]`` and ``w`` broadcasts to it. Tries iscale = -(nmax + 0.1 s)/max for
-    s = 0, -9..9 and keeps the candidate maximising sumlx^2/suml2 (least weighted squared error).
-    Only the winning iscale is kept; its quants are recomputed once at the end, as ggml does.
-    Returns the scale per group and L = l + nmax, or 0 and L = 0 for an all-zero group.
-    """
-    amax_x = _first_absmax(x)
-    zero = np.abs(amax_x) < _GROUP_MAX_EPS
-    mx = np.where(zero, F32(1), amax_x)  # all-zero groups then round to l = 0: their scale is 0
-    wx = w * x
-    lo, hi = F32(-nmax), F32(nmax - 1)
-    l = np.empty(mx.shape, dtype=F32)
-    t = np.empty(mx.shape, dtype=F32)
-
-    def sums(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        # Element by element, so the working set is a few group-sized vectors that stay in cache.
-        sumlx = np.zeros(mx.shape, dtype=F32)
-        suml2 = np.zeros(mx.shape, dtype=F32)
-        for i in range(SUB):
-            np.multiply(iscale, x[i], out=l)
-            np.rint(l, out=l)
-            np.clip(l, lo, hi, out=l)
-            np.multiply(w[i], l, out=t)
-            np.multiply(t, l, out=t)
-            np.add(suml2, t, out=suml2)
-            np.multiply(wx[i], l, out=l)
-            np.add(sumlx, l, out=sumlx)
-        return sumlx, suml2
-
-    best_iscale = F32(-nmax) / mx
-    sumlx, suml2 = sums(best_iscale)
-    scale = np.divide(sumlx, suml2, out=np.zeros_like(sumlx), where=suml2 != 0)
-    best = scale * sumlx
-    # Few groups improve at each step: update those through flat views of the (contiguous) state.
-    scale_f, best_f, best_iscale_f = scale.reshape(-1), best.reshape(-1), best_iscale.reshape(-1)
-    for s in range(-9, 10):
-        if s == 0:
-            continue
-        iscale = -(F32(nmax) + F32(0.1) * F32(s)) / mx
-        sumlx, suml2 = sums(iscale)
-        better = np.flatnonzero((suml2 > 0) & (sumlx * sumlx > best * suml2))
-        lx = sumlx.reshape(-1)[better]
-        scale_f[better] = lx / suml2.reshape(-1)[better]
-        best_f[better] = scale_f[better] * lx
-        best_iscale_f[better] = iscale.reshape(-1)[better]
-
-    L = np.rint(best_iscale * x)
-    np.clip(L, lo, hi, out=L)
-    L += F32(nmax)
-    L[:, zero] = 0
-    return scale, L
 
 
 def _q3_greedy_search(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -323,15 +200,13 @@ def _q3_greedy_search(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     Returns the scale per group and L = l + 4, or 0 and L = 0 for an all-zero group.
     """
     xf = x.reshape(SUB, -1)
-    amax_x = _first_absmax(xf)
-    zero = np.abs(amax_x) < _GROUP_MAX_EPS
-    mx = np.where(zero, F32(1), amax_x)  # all-zero groups then round to l = 0: their scale is 0
+    mx, zero = signed_max(xf)
     w = xf * xf
     wx = w * xf
     L = np.rint((F32(-4) / mx) * xf)
     np.clip(L, F32(-4), F32(3), out=L)
-    sumlx = _seq_sum(wx * L)
-    suml2 = _seq_sum(w * L * L)
+    sumlx = seqsum(wx * L)
+    suml2 = seqsum(w * L * L)
 
     idx = np.flatnonzero(~zero & (mx < 0))
     # np.take keeps rows contiguous (xf[:, idx] would not), so each element's slice stays dense.
@@ -365,7 +240,7 @@ def _q3_greedy_pass(
         li = L[i]
         slx = sumlx - wx[i] * li
         sl2 = suml2 - w[i] * li * li
-        nl = _nearest_int(x[i] * sl2 / slx)
+        nl = nearest_int(x[i] * sl2 / slx)
         np.clip(nl, F32(-4), F32(3), out=nl)
         j = np.flatnonzero((slx > 0) & (nl != li))
         if j.size == 0:
@@ -380,14 +255,34 @@ def _q3_greedy_pass(
     return changed
 
 
-def _nearest_int(v: np.ndarray) -> np.ndarray:
-    """ggml's ``nearest_int`` bit for bit, as float32.
+def _pack_q3_k(L: np.ndarray, scales: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Lay out ``hmask | qs | scales | d`` (§2) from quants 0..7 and signed 6-bit scales, which
+    are stored plus 32."""
+    rows, nb = d.shape
+    s = (scales + F32(32)).astype(np.uint8)
+    bit = (L >> 2).reshape(rows, nb, 8, 32)  # high bit of element 32b + m goes to bit b of hmask[m]
+    hmask = bit[:, :, 0].copy()
+    for b in range(1, 8):
+        hmask |= bit[:, :, b] << b
+    low = (L & 3).reshape(rows, nb, 2, 4, 32)  # element 128c + 32k + l
+    qs = low[:, :, :, 0] | (low[:, :, :, 1] << 2) | (low[:, :, :, 2] << 4) | (low[:, :, :, 3] << 6)
+    high = (s >> 4).reshape(rows, nb, 4, 4)  # scale 4q + m contributes bits 2q of byte 8 + m
+    packed = np.concatenate(
+        [
+            (s[:, :, :8] & 15) | ((s[:, :, 8:] & 15) << 4),
+            high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6),
+        ],
+        axis=2,
+    )
+    return np.concatenate(
+        [hmask, qs.reshape(rows, nb, 64), packed, d[..., None].view(np.uint8)], axis=2
+    )
 
-    It equals round-half-to-even only for |v| <= 4194303; the greedy step divides by a sum that
-    can underflow towards zero for tiny inputs, so there the out-of-range result must match too.
-    """
-    bits = (v + _ROUND_MAGIC).view(np.int32)
-    return ((bits & 0x007FFFFF) - 0x00400000).astype(F32)
+
+class Q3_K(_SymmetricK, qtype=GGMLQuantizationType.Q3_K):
+    """3-bit quants and 6-bit sub-block scales, one fp16 d per super-block."""
+
+    quant_offset, block_scales, pack = 4, staticmethod(_q3_k_scales), staticmethod(_pack_q3_k)
 
 
 def _requantize(xt: np.ndarray, L: np.ndarray, dj: np.ndarray, offset: int) -> np.ndarray:

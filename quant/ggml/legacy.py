@@ -27,41 +27,63 @@ are independent, so the bytes do not depend on the chunking.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import ClassVar
 
 import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
+
+from quant.ggml.numerics import F32, element_major, f16_bytes, importance
+from quant.ggml.rows import encode_by_rows
+from quant.ggml.search import affine_search, symmetric_search
+from quant.ggml.types import PortedType
 
 QK = 32  # elements per block
-_F32 = np.float32
-_ZERO = _F32(0.0)
-_GROUP_MAX_EPS = _F32(1e-15)  # ggml's GROUP_MAX_EPS: a block whose absmax is below this is all zero
-_ROUND_MAGIC = _F32(12582912.0)  # 1.5·2^23, the constant of ggml's nearest_int
-_ROUND_SAFE = _F32(4.19e6)  # below ggml's 4194303 limit, with room for rounding in the bound
 # Input values per chunk (1 MB per float32 work array): big enough that per-block bookkeeping is
 # cheap next to the full-array passes, small enough that the work arrays stay near the CPU caches.
 _CHUNK_ELEMENTS = 1 << 18
 
-Encoder = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
+class _Legacy(PortedType):
+    """A legacy 32-block type: gguf-py's reference encoder without an importance matrix (byte-exact
+    there), ours with one. ``encode_blocks`` fits and packs element-major blocks ``[32, rows,
+    blocks]`` given their search weights."""
 
-def quantize_q4_0(x: np.ndarray, qw: np.ndarray) -> np.ndarray:
-    """Q4_0 bytes (18 per 32 values) of ``x [rows, n_per_row]`` with importance ``qw [n_per_row]``."""
-    return _quantize(x, qw, 18, _encode_q4_0)
+    bits: ClassVar[int] = 4  # per quant; a 5th bit goes into a uint32 after the scales
+    offset: ClassVar[bool] = False  # x ≈ d·q + m (affine search) rather than d·(q − 2^(bits−1))
 
+    @classmethod
+    def quantize(cls, rows: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
+        """``[n, row bytes]`` of float32 ``rows [n, width]``, weighted by ``imatrix [width]`` if given."""
+        if imatrix is None:
+            return gguf_quantize(rows, cls.qtype)
+        return super().quantize(rows, imatrix)
 
-def quantize_q4_1(x: np.ndarray, qw: np.ndarray) -> np.ndarray:
-    """Q4_1 bytes (20 per 32 values) of ``x [rows, n_per_row]`` with importance ``qw [n_per_row]``."""
-    return _quantize(x, qw, 20, _encode_q4_1)
+    @classmethod
+    def encode_rows(cls, x: np.ndarray, qw: np.ndarray) -> np.ndarray:
+        """Encode chunks of rows; ``encode_blocks`` gets element-major data and weights."""
+        qw_e = element_major(qw[None, :], QK)  # [32, 1, blocks]: the weights of every row's blocks
 
+        def encode_chunk(chunk: np.ndarray) -> np.ndarray:
+            xe = element_major(chunk, QK)
+            return cls.encode_blocks(xe, _weights(chunk, xe, qw_e))
 
-def quantize_q5_0(x: np.ndarray, qw: np.ndarray) -> np.ndarray:
-    """Q5_0 bytes (22 per 32 values) of ``x [rows, n_per_row]`` with importance ``qw [n_per_row]``."""
-    return _quantize(x, qw, 22, _encode_q5_0)
+        return encode_by_rows(x, x.shape[1] // QK * cls.type_size, _CHUNK_ELEMENTS, encode_chunk)
 
-
-def quantize_q5_1(x: np.ndarray, qw: np.ndarray) -> np.ndarray:
-    """Q5_1 bytes (24 per 32 values) of ``x [rows, n_per_row]`` with importance ``qw [n_per_row]``."""
-    return _quantize(x, qw, 24, _encode_q5_1)
+    @classmethod
+    def encode_blocks(cls, xe: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """Fit element-major blocks ``[32, rows, blocks]`` with their search weights, then pack
+        them (§2 block layouts): the fp16 fields, the 5th bits if any, the low nibbles."""
+        levels = 1 << cls.bits
+        if cls.offset:
+            d, m, L = _affine(xe, w, levels - 1)
+            fields = [f16_bytes(d), f16_bytes(m)]
+        else:
+            d, L = _symmetric(xe, w, levels // 2)
+            fields = [f16_bytes(d)]
+        if cls.bits == 5:
+            fields.append(_high_bits(L))
+        return np.concatenate([*fields, _nibbles(L)], axis=2)
 
 
 def q4_0_from_levels(levels: np.ndarray, d: np.ndarray) -> np.ndarray:
@@ -69,86 +91,45 @@ def q4_0_from_levels(levels: np.ndarray, d: np.ndarray) -> np.ndarray:
     in 0..15 with one scale ``d [rows, n/32]`` per block, the value of each ``(q − 8)·d``, stored as
     they are rather than searched again."""
     rows, n = levels.shape
-    blocks = _element_major(levels.astype(np.uint8))
-    return np.concatenate([_f16_bytes(np.asarray(d, dtype=_F32)), _nibbles(blocks)], axis=2).reshape(rows, -1)
-
-
-# ------------------------------------------------------------------------------------------------
-# Driver
-
-
-def _quantize(x: np.ndarray, qw: np.ndarray, block_bytes: int, encode: Encoder) -> np.ndarray:
-    """Validate, then encode chunks of rows; ``encode`` gets element-major data and weights."""
-    x = np.ascontiguousarray(x, dtype=_F32)
-    if x.ndim != 2 or x.shape[1] % QK:
-        raise ValueError(f"expected [rows, n_per_row] with n_per_row a multiple of {QK}, got {x.shape}")
-    rows, n = x.shape
-    qw = np.ascontiguousarray(qw, dtype=_F32)
-    if qw.shape != (n,):
-        raise ValueError(f"importance weights must have shape ({n},), got {qw.shape}")
-    if not (np.isfinite(x).all() and np.isfinite(qw).all()):
-        raise ValueError("cannot quantize NaN or Inf (llama.cpp rejects the resulting blocks)")
-    qw_e = _element_major(qw[None, :])  # [32, 1, blocks]: the weights of every row's blocks
-    out = np.empty((rows, n // QK * block_bytes), dtype=np.uint8)
-    step = max(1, _CHUNK_ELEMENTS // n)
-    # Division by zero, overflow and NaN happen in ggml too (flat or all-zero blocks, rejected
-    # candidates, subnormal data); the encoders mask or reproduce their effect.
-    with np.errstate(all="ignore"):
-        for start in range(0, rows, step):
-            chunk = x[start:start + step]
-            xe = _element_major(chunk)
-            out[start:start + step] = encode(xe, _weights(chunk, xe, qw_e)).reshape(len(chunk), -1)
-    return out
-
-
-def _element_major(x: np.ndarray) -> np.ndarray:
-    """``[rows, n]`` -> ``[32, rows, n/32]``: element i of every block is one contiguous slice."""
-    rows, n = x.shape
-    return np.ascontiguousarray(x.reshape(rows, n // QK, QK).transpose(2, 0, 1))
+    blocks = element_major(levels.astype(np.uint8), QK)
+    return np.concatenate([f16_bytes(np.asarray(d, dtype=F32)), _nibbles(blocks)], axis=2).reshape(rows, -1)
 
 
 def _weights(rows: np.ndarray, xe: np.ndarray, qw_e: np.ndarray) -> np.ndarray:
-    """``qw·sqrt(sigma2 + x²)`` with ``sigma2 = Σx²/n_per_row`` over each whole row.
+    """Importance weights with ``sigma2 = Σx²/n_per_row`` over each whole row.
 
     ggml sums x² left to right along the row; ``np.cumsum`` accumulates sequentially in float32
     (unlike ``np.sum``, which is pairwise), so its last column is that sum.
     """
     n = rows.shape[1]
-    sigma2 = np.cumsum(rows * rows, axis=1, dtype=_F32)[:, -1] / _F32(n)
-    return qw_e * np.sqrt(sigma2[None, :, None] + xe * xe)
+    sigma2 = np.cumsum(rows * rows, axis=1, dtype=F32)[:, -1] / F32(n)
+    return importance(qw_e, xe, sigma2[None, :, None])
 
 
 # ------------------------------------------------------------------------------------------------
-# Encoders: search, then pack (§2 block layouts)
+# The types: what each stores
 
 
-def _encode_q4_0(xe: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Q4_0 block: fp16 d, then nibbles (element j low, j + 16 high); value (q − 8)·d."""
-    d, L = _symmetric_search(xe, w, 8)
-    return np.concatenate([_f16_bytes(d), _nibbles(L)], axis=2)
+class Q4_0(_Legacy, qtype=GGMLQuantizationType.Q4_0):
+    """x ≈ d·(q − 8): fp16 d, then nibbles (element j low, j + 16 high)."""
 
 
-def _encode_q5_0(xe: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Q5_0 block: fp16 d, uint32 of 5th bits, low nibbles; value (q − 16)·d."""
-    d, L = _symmetric_search(xe, w, 16)
-    return np.concatenate([_f16_bytes(d), _high_bits(L), _nibbles(L)], axis=2)
+class Q5_0(_Legacy, qtype=GGMLQuantizationType.Q5_0):
+    """x ≈ d·(q − 16): fp16 d, a uint32 of 5th bits, then the low nibbles."""
+
+    bits = 5
 
 
-def _encode_q4_1(xe: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Q4_1 block: fp16 d, fp16 m, nibbles; value d·q + m."""
-    d, m, L = _affine_search(xe, w, 15)
-    return np.concatenate([_f16_bytes(d), _f16_bytes(m), _nibbles(L)], axis=2)
+class Q4_1(_Legacy, qtype=GGMLQuantizationType.Q4_1):
+    """x ≈ d·q + m: fp16 d, fp16 m, then nibbles."""
+
+    offset = True
 
 
-def _encode_q5_1(xe: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Q5_1 block: fp16 d, fp16 m, uint32 of 5th bits, low nibbles; value d·q + m."""
-    d, m, L = _affine_search(xe, w, 31)
-    return np.concatenate([_f16_bytes(d), _f16_bytes(m), _high_bits(L), _nibbles(L)], axis=2)
+class Q5_1(_Legacy, qtype=GGMLQuantizationType.Q5_1):
+    """x ≈ d·q + m: fp16 d, fp16 m, a uint32 of 5th bits, then the low nibbles."""
 
-
-def _f16_bytes(v: np.ndarray) -> np.ndarray:
-    """A float32 field ``[rows, blocks]`` as the 2 little-endian fp16 bytes ggml stores."""
-    return v.astype("<f2").view(np.uint8).reshape(*v.shape, 2)
+    bits, offset = 5, True
 
 
 def _nibbles(L: np.ndarray) -> np.ndarray:
@@ -164,201 +145,18 @@ def _high_bits(L: np.ndarray) -> np.ndarray:
     return qh.astype("<u4").view(np.uint8).reshape(*qh.shape, 4)
 
 
-# ------------------------------------------------------------------------------------------------
-# Numerics
+def _symmetric(xe: np.ndarray, w: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_0/Q5_0's fit: ``make_qx_quants``, quants ``q = l + nmax`` as bytes."""
+    d, L = symmetric_search(xe, w, nmax)
+    return d, L.astype(np.uint8)
 
 
-def _seqsum(t: np.ndarray, from_zero: bool = True) -> np.ndarray:
-    """Left-to-right float32 sum over axis 0, the order of ggml's loops (``np.sum`` is pairwise).
+def _affine(xe: np.ndarray, w: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_1/Q5_1's fit: ``make_qkx3_quants`` (rmin −0.9, rdelta 0.05, 37 steps, squared error, no
+    guard on the rounding: the llama.cpp we are checked against rounds every step plainly).
 
-    ggml's accumulators mostly start at ``0.0f``, which turns an all-(−0.0) sum into +0.0; doing
-    the same keeps the sign of every zero sum ggml's. ``from_zero=False`` is for the two sums
-    (``sum_w``, ``sum_x`` of ``make_qkx3_quants``) that ggml starts at their first term.
+    Returns (d, m, quants as bytes): ggml stores ``m = −the_min``, the block's offset itself, so
+    the sign of a zero offset is kept ggml's (``signed_zeros``).
     """
-    acc = t[0] + _ZERO if from_zero else t[0].copy()
-    for i in range(1, len(t)):
-        acc += t[i]
-    return acc
-
-
-def _nearest_int(v: np.ndarray) -> np.ndarray:
-    """ggml's ``nearest_int`` bit for bit, as float32: add 1.5·2^23 and read the mantissa.
-
-    Equal to ``np.rint`` for |v| <= 4194303; beyond that, and for inf/NaN, it is the same garbage
-    the C code computes, which the following clamp turns into ggml's bytes.
-    """
-    bits = (v + _ROUND_MAGIC).view(np.int32)
-    return ((bits & 0x007FFFFF) - 0x00400000).astype(_F32)
-
-
-def _first_absmax(x: np.ndarray) -> np.ndarray:
-    """The first element of largest magnitude per block, with its sign (ggml's strict scan)."""
-    amax = np.abs(x[0])
-    mx = x[0].copy()
-    for i in range(1, len(x)):
-        ax = np.abs(x[i])
-        bigger = ax > amax
-        np.copyto(amax, ax, where=bigger)
-        np.copyto(mx, x[i], where=bigger)
-    return mx
-
-
-def _symmetric_search(x: np.ndarray, w: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """ggml's ``make_qx_quants`` with weights: fit x ≈ scale·l, l in [−nmax, nmax − 1].
-
-    Returns the scale ``[rows, blocks]`` and the quants ``L = l + nmax`` (uint8, [32, ...]). The
-    first guess maps the largest-magnitude element to −nmax; 18 more candidate inverse scales
-    ``−(nmax + 0.1·s)/max`` replace it when they raise ``sumlx²/suml2``. Only the winning inverse
-    scale is remembered, and the quants are recomputed from it once at the end with the same float
-    operations, which is cheaper than copying them at every step. A block whose absmax is below
-    1e-15 is all zero: quants 0 (not nmax) and scale 0.
-    """
-    nmax_f = _F32(nmax)
-    mx = _first_absmax(x)
-    zero = np.abs(mx) < _GROUP_MAX_EPS
-    wx = w * x  # ggml's w*x[i]*l is (w·x)·l
-    l = np.empty_like(x)
-    t = np.empty_like(x)
-
-    def candidate(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        _signed_levels(x, iscale, nmax_f, l)
-        np.multiply(wx, l, out=t)
-        sumlx = _seqsum(t)
-        np.multiply(w, l, out=t)
-        np.multiply(t, l, out=t)  # (w·l)·l
-        return sumlx, _seqsum(t)
-
-    win = -nmax_f / mx
-    sumlx, suml2 = candidate(win)
-    scale = np.where(suml2 != 0, sumlx / suml2, _ZERO)
-    best = scale * sumlx
-    for s in (-9, -8, -7, -6, -5, -4, -3, -2, -1, 1, 2, 3, 4, 5, 6, 7, 8, 9):
-        iscale = -(nmax_f + _F32(0.1) * _F32(s)) / mx
-        sumlx, suml2 = candidate(iscale)
-        better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-        scale = np.where(better, sumlx / suml2, scale)
-        best = np.where(better, scale * sumlx, best)
-        win = np.where(better, iscale, win)
-    _signed_levels(x, win, nmax_f, l)
-    L = (l + nmax_f).astype(np.uint8)
-    L[:, zero] = 0
-    return np.where(zero, _ZERO, scale), L
-
-
-def _signed_levels(x: np.ndarray, iscale: np.ndarray, nmax: np.float32, out: np.ndarray) -> None:
-    """``clamp(nearest_int(iscale·x), −nmax, nmax − 1)`` into ``out``.
-
-    |iscale·x| <= nmax + 0.9 wherever the block is not all zero (the largest |x| sets iscale), so
-    ``np.rint`` is exactly ggml's nearest_int here; all-zero blocks are discarded by the caller.
-    """
-    np.multiply(x, iscale, out=out)
-    np.rint(out, out=out)
-    np.clip(out, -nmax, nmax - _F32(1), out=out)
-
-
-def _strict_min_max(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """ggml's ``if (x < min) min = x`` / ``if (x > max) max = x`` scans from x[0].
-
-    Unlike ``np.min``, this keeps the first of equal values, so the sign of a zero minimum (which
-    becomes the stored fp16 offset of a Q4_1/Q5_1 block) is ggml's.
-    """
-    mn = x[0].copy()
-    mx = x[0].copy()
-    for i in range(1, len(x)):
-        np.copyto(mn, x[i], where=x[i] < mn)
-        np.copyto(mx, x[i], where=x[i] > mx)
-    return mn, mx
-
-
-def _affine_search(x: np.ndarray, w: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """ggml's ``make_qkx3_quants`` (rmin −0.9, rdelta 0.05, 37 steps, squared error).
-
-    Fits x ≈ scale·L + min with L in [0, nmax] and min <= 0. Returns (scale, min, L uint8); the
-    caller stores ``fp16(scale)`` and ``fp16(min)`` (ggml's ``-the_min``). Each candidate inverse
-    scale ``(rmin + rdelta·s + nmax)/(max − min)`` is tried against the offset of the best fit so
-    far, and kept only if its weighted squared error is strictly lower, so steps run in order.
-    As in ``_symmetric_search``, only the winner's inverse scale and offset are remembered and its
-    quants recomputed at the end. A block with max <= min (after min is raised to 0 if positive)
-    is flat: quants 0, scale 0, offset its min.
-    """
-    nmax_f = _F32(nmax)
-    mn, mx = _strict_min_max(x)
-    mn = np.where(mn > 0, _ZERO, mn)
-    flat = mx <= mn
-    sum_w = _seqsum(w, from_zero=False)
-    sum_x = _seqsum(w * x, from_zero=False)
-    L = np.empty_like(x)
-    v = np.empty_like(x)
-    t = np.empty_like(x)
-
-    iscale = nmax_f / (mx - mn)
-    scale = _F32(1) / iscale
-    _affine_levels(x, iscale, mn, mn, mx, nmax_f, v, L)
-    best = _seqsum(_weighted_sq_error(L, scale, mn, x, w, t))
-    win_iscale, win_shift = iscale, mn
-    cur_min = mn
-    for s in range(37):
-        iscale = (_F32(-0.9) + _F32(0.05) * _F32(s) + nmax_f) / (mx - cur_min)
-        _affine_levels(x, iscale, cur_min, mn, mx, nmax_f, v, L)
-        np.multiply(w, L, out=v)  # w·l, reused for all three sums
-        sum_l = _seqsum(v)
-        np.multiply(v, L, out=t)
-        sum_l2 = _seqsum(t)
-        np.multiply(v, x, out=t)
-        sum_xl = _seqsum(t)
-        D = sum_w * sum_l2 - sum_l * sum_l
-        this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
-        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
-        positive = this_min > 0
-        this_min = np.where(positive, _ZERO, this_min)
-        this_scale = np.where(positive, sum_xl / sum_l2, this_scale)
-        err = _seqsum(_weighted_sq_error(L, this_scale, this_min, x, w, t))
-        better = (D > 0) & (err < best) & ~flat
-        best = np.where(better, err, best)
-        scale = np.where(better, this_scale, scale)
-        win_iscale = np.where(better, iscale, win_iscale)
-        win_shift = np.where(better, cur_min, win_shift)
-        cur_min = np.where(better, this_min, cur_min)
-    _affine_levels(x, win_iscale, win_shift, mn, mx, nmax_f, v, L)
-    L[:, flat] = 0
-    return np.where(flat, _ZERO, scale), cur_min, L.astype(np.uint8)
-
-
-def _affine_levels(
-    x: np.ndarray,
-    iscale: np.ndarray,
-    shift: np.ndarray,
-    mn: np.ndarray,
-    mx: np.ndarray,
-    nmax: np.float32,
-    v: np.ndarray,
-    out: np.ndarray,
-) -> None:
-    """Quants ``clamp(nearest_int(iscale·(x − shift)), 0, nmax)`` of one candidate, into ``out``.
-
-    ``np.rint`` is ggml's nearest_int only while |v| <= 4194303, and |v| is bounded per block by
-    |iscale|·(largest |x − shift|). The rare blocks past that (an iscale overflowing on subnormal
-    data, or a best offset that landed next to the block's max, which sparse importance weights
-    can cause) are redone bit for bit. The llama.cpp we are checked against rounds every step this
-    way, with no ``v > 0 ? nearest_int(min(v, nmax)) : 0`` guard (tested with such blocks).
-    """
-    np.subtract(x, shift, out=v)
-    v *= iscale
-    np.rint(v, out=out)
-    np.clip(out, _ZERO, nmax, out=out)
-    reach = np.abs(iscale) * np.maximum(mx - shift, shift - mn)
-    unsafe = ~(reach <= _ROUND_SAFE)
-    if unsafe.any():
-        np.copyto(out, np.clip(_nearest_int(v), _ZERO, nmax), where=unsafe)
-
-
-def _weighted_sq_error(
-    L: np.ndarray, scale: np.ndarray, mn: np.ndarray, x: np.ndarray, w: np.ndarray, out: np.ndarray
-) -> np.ndarray:
-    """Per-element ``w·((scale·L + mn) − x)²`` into ``out``, in ggml's operation order."""
-    np.multiply(L, scale, out=out)
-    out += mn
-    out -= x
-    out *= out
-    out *= w
-    return out
+    d, off, L = affine_search(xe, w, nmax, -0.9, 0.05, 36, use_mad=False, guarded=False, signed_zeros=True)
+    return d, -off, L.astype(np.uint8)
