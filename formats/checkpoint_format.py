@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from core.schemes import ActivationSpec, QuantSpec
 from core.tensors import TensorPayload
@@ -76,6 +76,7 @@ class CheckpointFormat:
         return self.writer(outputs.stage(paths[self.name]), contents)
 
     def writer(self, dest: Path, contents: ExportContents) -> Writer:
+        """Its writer at ``dest`` (a staged path), for what ``contents`` holds."""
         raise NotImplementedError
 
     def read(self, config: dict, raw: HFCheckpoint) -> QuantizedLayout:
@@ -84,8 +85,8 @@ class CheckpointFormat:
         raise NotImplementedError(f"{self.name} checkpoints are not read as quantized folders")
 
 
-def weight_only(fmt_check, spec: QuantSpec, activations: ActivationSpec | None) -> None:
-    """``fmt_check(spec)`` for formats whose checkpoints store no activation quantization."""
-    fmt_check(spec)
+def weight_only(check_spec: Callable[[QuantSpec], None], spec: QuantSpec, activations: ActivationSpec | None) -> None:
+    """``check_spec(spec)`` for formats whose checkpoints store no activation quantization."""
+    check_spec(spec)
     if activations is not None:
         raise ValueError("quantized activations (its checkpoints are weight-only)")

@@ -18,7 +18,6 @@ from typing import Callable, Iterator
 
 import numpy as np
 import torch
-
 from pydantic import BaseModel
 
 from core.errors import InputError
@@ -26,6 +25,7 @@ from core.file_types import tensor_types
 from core.tensors import LayerResult, TensorPayload
 from formats.gguf import architecture_of, gguf_name, gguf_order
 from formats.hf import HFCheckpoint
+from formats.registry import FORMATS
 from quant.ggml import encode
 from quant.gptq_model import select_modules
 
@@ -159,7 +159,7 @@ def gguf_plan(ckpt: HFCheckpoint, variant, file_type: str, imatrix: bool) -> Pla
     """Every tensor's ggml type for ``file_type`` (llama.cpp's mixture), in the GGUF file's tensor
     order when the variant writes a GGUF file: gguf's plan, and QAT's on a GGUF grid."""
     names = ckpt.names
-    if "gguf" in variant.exports:
+    if any(FORMATS[e].ggml for e in variant.exports):
         architecture_of(ckpt)
         names = sorted((n for n in names if gguf_name(n, ckpt.arch) is not None), key=lambda n: gguf_order(gguf_name(n, ckpt.arch)))
     return Plan(names, tensor_types(file_type, [(n, ckpt.shape(n)) for n in names], ckpt.arch, imatrix))
