@@ -21,11 +21,13 @@ from pathlib import Path
 import torch
 
 from core.errors import InputError
-from core.schemes import QuantSpec
+from core.schemes import ActivationSpec, QuantSpec
 from core.tensors import QuantizedTensor
+from formats.checkpoint_format import CheckpointFormat, ExportContents, weight_only
 from formats.hf import HFCheckpoint
-from formats.packing import pack_codes
+from formats.packing import pack_codes, unpack_codes
 from formats.quantized_folder import Planned, QuantizedFolderWriter, unquantized_linears
+from formats.quantized_layout import Expected, QuantizedLayout
 
 _ORDER = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])
 
@@ -81,3 +83,50 @@ class AWQWriter(QuantizedFolderWriter):
             pack_codes(_interleaved(zeros.T.contiguous()), 4),
             payload.scales.T.to(torch.float16).contiguous(),
         ]
+
+
+class AWQLayout(QuantizedLayout):
+    """An AWQ (GEMM) folder read back: int4 by group, zero-points always stored."""
+
+    name = "awq"
+    marker = ".qweight"
+
+    def expected(self, raw: HFCheckpoint, name: str, shape: tuple[int, int]) -> Expected:
+        module, (out, n_in) = name.removesuffix(".weight"), shape
+        if out % 8:
+            raise InputError(f"{raw.path}: '{module}' has {out} outputs; AWQ packs them eight to a word")
+        groups = self.groups(n_in)
+        return {f"{module}.qweight": (torch.int32, (n_in, out // 8)), f"{module}.qzeros": (torch.int32, (groups, out // 8)),
+                f"{module}.scales": (None, (groups, out))}
+
+    def shape(self, raw: HFCheckpoint, name: str) -> tuple[int, ...]:
+        module = name.removesuffix(".weight")
+        return raw.shape(f"{module}.scales")[1], raw.shape(f"{module}.qweight")[0]
+
+    def payload(self, raw: HFCheckpoint, name: str, shape: tuple[int, int]) -> QuantizedTensor:
+        module, read, out = name.removesuffix(".weight"), raw.tensor, shape[0]
+        codes = deinterleaved(unpack_codes(read(f"{module}.qweight"), 4, out)).T.contiguous()
+        zeros = deinterleaved(unpack_codes(read(f"{module}.qzeros"), 4, out)).T.float().contiguous()
+        return QuantizedTensor(self.spec, codes, read(f"{module}.scales").T.float().contiguous(), zeros)
+
+
+class AWQFormat(CheckpointFormat):
+    name = "awq"
+    codes = True
+    holds_group_index = AWQWriter.holds_group_index
+    readable = "awq (gemm)"
+
+    def check(self, spec: QuantSpec, activations: ActivationSpec | None) -> None:
+        weight_only(check_spec, spec, activations)
+
+    def writer(self, dest: Path, contents: ExportContents) -> AWQWriter:
+        return AWQWriter(dest, contents.source, contents.names, contents.quantized, contents.spec)
+
+    def read(self, config: dict, raw: HFCheckpoint) -> AWQLayout:
+        if str(config.get("version", "gemm")).lower() != "gemm" or config.get("bits", 4) != 4:
+            raise ValueError(f"version {config.get('version')!r}, {config.get('bits')} bits (the GEMM layout holds int4)")
+        # zero-points are always stored; a symmetric spec would only fix them at 8
+        return AWQLayout(QuantSpec(4, False, "group", int(config["group_size"])))
+
+
+FORMAT = AWQFormat()

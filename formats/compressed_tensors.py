@@ -32,12 +32,14 @@ from pathlib import Path
 
 import torch
 
-from core.schemes import ActivationSpec
-from core.schemes import QuantSpec
+from core.errors import InputError
+from core.schemes import ActivationSpec, QuantSpec
 from core.tensors import QuantizedTensor
+from formats.checkpoint_format import CheckpointFormat, ExportContents
 from formats.hf import HFCheckpoint
-from formats.packing import pack_codes
+from formats.packing import pack_codes, unpack_codes
 from formats.quantized_folder import Planned, QuantizedFolderWriter, unquantized_linears
+from formats.quantized_layout import Expected, QuantizedLayout
 
 
 def layout(spec: QuantSpec, activations: ActivationSpec | None = None) -> str:
@@ -133,3 +135,120 @@ class CompressedTensorsWriter(QuantizedFolderWriter):
             "kv_cache_scheme": None,
             "sparsity_config": {},
         }
+
+
+class PackQuantized(QuantizedLayout):
+    """``pack-quantized`` read back: integer codes by group or channel, packed along the input."""
+
+    name = "pack-quantized"
+    marker = ".weight_packed"
+
+    def expected(self, raw: HFCheckpoint, name: str, shape: tuple[int, int]) -> Expected:
+        module, (out, n_in), bits = name.removesuffix(".weight"), shape, self.spec.bits
+        groups = self.groups(n_in)
+        tensors = {f"{module}.weight_packed": (torch.int32, (out, math.ceil(n_in * bits / 32))),
+                   f"{module}.weight_scale": (None, (out, groups)), f"{module}.weight_shape": (torch.int64, (2,))}
+        if not self.spec.symmetric:
+            tensors[f"{module}.weight_zero_point"] = (torch.int32, (math.ceil(out * bits / 32), groups))
+        return tensors
+
+    def check_stored(self, raw: HFCheckpoint, name: str, shape: tuple[int, int]) -> set[str]:
+        stored = super().check_stored(raw, name, shape)
+        said = raw.tensor(f"{name.removesuffix('.weight')}.weight_shape").tolist()
+        if tuple(said) != shape:
+            raise InputError(f"{raw.path}: tensor '{name.removesuffix('.weight')}.weight_shape' says {said}, "
+                             f"the config gives {list(shape)}")
+        return stored
+
+    def shape(self, raw: HFCheckpoint, name: str) -> tuple[int, ...]:
+        return tuple(raw.tensor(f"{name.removesuffix('.weight')}.weight_shape").tolist())
+
+    def payload(self, raw: HFCheckpoint, name: str, shape: tuple[int, int]) -> QuantizedTensor:
+        module, read, bits, (out, n_in) = name.removesuffix(".weight"), raw.tensor, self.spec.bits, shape
+        codes = unpack_codes(read(f"{module}.weight_packed"), bits, n_in)
+        scales = read(f"{module}.weight_scale").float()
+        zeros = torch.full_like(scales, 2 ** (bits - 1)) if self.spec.symmetric else \
+            unpack_codes(read(f"{module}.weight_zero_point").T.contiguous(), bits, out).T.float()
+        return QuantizedTensor(self.spec, codes, scales, zeros)
+
+
+class _Unpacked(QuantizedLayout):
+    """The layouts that store ``X.weight`` itself in 8 bits, with ``X.weight_scale``."""
+
+    marker = ".weight_scale"
+    dtype: torch.dtype
+
+    def expected(self, raw: HFCheckpoint, name: str, shape: tuple[int, int]) -> Expected:
+        module, (out, n_in), size = name.removesuffix(".weight"), shape, self.spec.group_size or 1
+        scales = {"tensor": None, "channel": (out, 1), "block": (out // size, n_in // size)}[self.spec.granularity]
+        tensors = {name: (self.dtype, shape)}
+        if scales is not None:
+            tensors[f"{module}.weight_scale"] = (None, scales)
+        elif f"{module}.weight_scale" not in raw.names or math.prod(raw.shape(f"{module}.weight_scale")) != 1:
+            raise InputError(f"{raw.path}: no one-value tensor '{module}.weight_scale' for the per-tensor fp8 weight '{name}'")
+        else:
+            tensors[f"{module}.weight_scale"] = (None, raw.shape(f"{module}.weight_scale"))
+        return tensors
+
+
+class IntQuantized(_Unpacked):
+    """``int-quantized`` read back: int8 levels minus 128, one scale per row."""
+
+    name = "int-quantized"
+    dtype = torch.int8
+
+    def payload(self, raw: HFCheckpoint, name: str, shape: tuple[int, int]) -> QuantizedTensor:
+        codes = (raw.tensor(name).to(torch.int16) + 128).to(torch.uint8)
+        scales = raw.tensor(f"{name.removesuffix('.weight')}.weight_scale").float().reshape(shape[0], 1)
+        return QuantizedTensor(self.spec, codes, scales, torch.full_like(scales, 128.0))
+
+
+class FloatQuantized(_Unpacked):
+    """``float-quantized`` read back: fp8 bit patterns, a scale per tensor, row or block."""
+
+    name = "float-quantized"
+    dtype = torch.float8_e4m3fn
+
+    def payload(self, raw: HFCheckpoint, name: str, shape: tuple[int, int]) -> QuantizedTensor:
+        scales = raw.tensor(f"{name.removesuffix('.weight')}.weight_scale").float()
+        scales = scales.reshape(1, 1).expand(shape[0], 1).contiguous() if self.spec.granularity == "tensor" \
+            else scales.reshape(-1, scales.shape[-1])
+        return QuantizedTensor(self.spec, raw.tensor(name).view(torch.uint8), scales, torch.zeros_like(scales))
+
+
+class CompressedTensorsFormat(CheckpointFormat):
+    name = "compressed-tensors"
+    codes = True
+    holds_group_index = CompressedTensorsWriter.holds_group_index
+    readable = "compressed-tensors (pack-quantized, int-quantized, float-quantized)"
+
+    def check(self, spec: QuantSpec, activations: ActivationSpec | None) -> None:
+        layout(spec, activations)
+
+    def writer(self, dest: Path, contents: ExportContents) -> CompressedTensorsWriter:
+        c = contents
+        return CompressedTensorsWriter(dest, c.source, c.names, c.quantized, c.spec, c.activations, c.act_order)
+
+    def read(self, config: dict, raw: HFCheckpoint) -> QuantizedLayout:
+        """One config group: its weights' layout, as this module writes them (and llm-compressor)."""
+        fmt = config.get("format")
+        groups = config.get("config_groups") or {}
+        if len(groups) != 1:
+            raise ValueError("more than one config group")
+        w = next(iter(groups.values()))["weights"]
+        strategy = w.get("strategy")
+        if fmt == "pack-quantized" and w.get("type") == "int" and strategy in ("group", "channel"):
+            return PackQuantized(QuantSpec(w["num_bits"], bool(w.get("symmetric", True)), strategy, w.get("group_size")))
+        if fmt == "int-quantized" and w.get("type") == "int" and w.get("num_bits") == 8 and strategy == "channel" \
+                and w.get("symmetric", True):
+            return IntQuantized(QuantSpec(8, True, "channel"))
+        if fmt == "float-quantized" and w.get("type") == "float" and w.get("num_bits") == 8 \
+                and strategy in ("tensor", "channel", "block"):
+            block = w.get("block_structure") if strategy == "block" else None
+            if block is not None and (len(block) != 2 or block[0] != block[1]):
+                raise ValueError(f"block_structure {block} (square blocks only)")
+            return FloatQuantized(QuantSpec(8, True, strategy, block[0] if block else None, format="fp8_e4m3"))
+        raise ValueError(f"format {fmt!r} with {w.get('num_bits')}-bit {w.get('type')} weights by {strategy}")
+
+
+FORMAT = CompressedTensorsFormat()

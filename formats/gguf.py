@@ -17,11 +17,15 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
 
 from core.architecture import GGUF_ARCHITECTURES, SLIDING_PATTERN, Architecture, Rope
 from core.errors import InputError
+from core.file_types import FILE_TYPES
 from core.rope import llama3_bands, to_pairs_side_by_side
 from core.tensors import GGMLTensor, StoredGGMLTensor
 from formats.architecture import llama_cpp_windows
+from formats.checkpoint_format import CheckpointFormat, ExportContents
 from formats.hf import HFCheckpoint
 from formats.hub import model_name
+from formats.modelfile import modelfile_name, write_modelfile
+from formats.outputs import Outputs
 from formats.sentencepiece_model import read_sentencepiece
 
 
@@ -155,6 +159,34 @@ class GGUFFileWriter:
     def abort(self) -> None:
         self._writer.close()
         self.path.unlink(missing_ok=True)
+
+
+class GGUFFormat(CheckpointFormat):
+    """The ``gguf`` export: one file named after the model and its file type, with an Ollama
+    Modelfile beside it (formats/modelfile.py)."""
+
+    name = "gguf"
+    folder = False
+    ggml = True
+
+    def file_name(self, model: str, file_type: str | None) -> str:
+        return f"{model}-{file_type}.gguf"
+
+    def files(self, path: Path) -> dict[str, Path]:
+        return {self.name: path, "modelfile": path.with_name(modelfile_name(path.name))}
+
+    def open(self, outputs: Outputs, paths: dict[str, Path], contents: ExportContents) -> GGUFFileWriter:
+        writer = self.writer(outputs.stage(paths[self.name]), contents)
+        write_modelfile(outputs.stage(paths["modelfile"]), paths[self.name].name, contents.source)
+        return writer
+
+    def writer(self, dest: Path, contents: ExportContents) -> GGUFFileWriter:
+        source = contents.source
+        plan = [(n, source.shape(n), contents.ggml_types[n]) for n in contents.names]
+        return GGUFFileWriter(dest, source, FILE_TYPES[contents.file_type].id, plan)
+
+
+FORMAT = GGUFFormat()
 
 
 def _nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:

@@ -24,11 +24,13 @@ from pathlib import Path
 
 import torch
 
-from core.schemes import QuantSpec
+from core.schemes import ActivationSpec, QuantSpec
 from core.tensors import QuantizedTensor
+from formats.checkpoint_format import CheckpointFormat, ExportContents, weight_only
 from formats.hf import HFCheckpoint
-from formats.packing import pack_codes
+from formats.packing import pack_codes, unpack_codes
 from formats.quantized_folder import Planned, QuantizedFolderWriter
+from formats.quantized_layout import Expected, QuantizedLayout
 
 BITS = (2, 3, 4, 8)
 
@@ -87,3 +89,61 @@ class GPTQWriter(QuantizedFolderWriter):
             payload.scales.T.to(torch.float16).contiguous(),
             index.to(torch.int32),
         ]
+
+
+class GPTQLayout(QuantizedLayout):
+    """A GPTQ folder read back, v1 or v2, with its ``g_idx`` (kept where it is not the plain
+    ``i // group_size``)."""
+
+    name = "gptq"
+    marker = ".qweight"
+
+    def expected(self, raw: HFCheckpoint, name: str, shape: tuple[int, int]) -> Expected:
+        module, (out, n_in), bits = name.removesuffix(".weight"), shape, self.spec.bits
+        groups = self.groups(n_in)
+        return {f"{module}.qweight": (torch.int32, (-(-n_in * bits // 32), out)),
+                f"{module}.qzeros": (torch.int32, (groups, -(-out * bits // 32))),
+                f"{module}.scales": (None, (groups, out)), f"{module}.g_idx": (torch.int32, (n_in,))}
+
+    def shape(self, raw: HFCheckpoint, name: str) -> tuple[int, ...]:
+        module = name.removesuffix(".weight")
+        return raw.shape(f"{module}.scales")[1], raw.shape(f"{module}.g_idx")[0]
+
+    def payload(self, raw: HFCheckpoint, name: str, shape: tuple[int, int]) -> QuantizedTensor:
+        module, read, bits, (out, n_in) = name.removesuffix(".weight"), raw.tensor, self.spec.bits, shape
+        codes = unpack_codes(read(f"{module}.qweight").T.contiguous(), bits, n_in)
+        scales = read(f"{module}.scales").T.float().contiguous()
+        zeros = unpack_codes(read(f"{module}.qzeros"), bits, out).T.to(torch.int16)
+        if self.spec.symmetric:  # v1 stores each zero-point minus one
+            zeros = (zeros + 1) % 2**bits
+        g_idx = read(f"{module}.g_idx").to(torch.int32)
+        groups = scales.shape[1]
+        plain = torch.arange(n_in, dtype=torch.int32) // (n_in // groups)
+        return QuantizedTensor(self.spec, codes, scales, zeros.float().contiguous(), None if torch.equal(g_idx, plain) else g_idx)
+
+
+class GPTQFormat(CheckpointFormat):
+    name = "gptq"
+    codes = True
+    holds_group_index = GPTQWriter.holds_group_index
+    readable = "gptq"
+
+    def check(self, spec: QuantSpec, activations: ActivationSpec | None) -> None:
+        weight_only(check_spec, spec, activations)
+
+    def writer(self, dest: Path, contents: ExportContents) -> GPTQWriter:
+        c = contents
+        return GPTQWriter(dest, c.source, c.names, c.quantized, c.spec, c.act_order and not c.static_groups, c.settings)
+
+    def read(self, config: dict, raw: HFCheckpoint) -> GPTQLayout:
+        if config.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
+            raise ValueError(f"checkpoint_format {config.get('checkpoint_format')!r}")
+        group = config.get("group_size", -1)
+        spec = QuantSpec(config["bits"], bool(config.get("sym", True)), "channel" if group in (-1, None) else "group",
+                         None if group in (-1, None) else group)
+        if config.get("checkpoint_format", "gptq") == "gptq" and not spec.symmetric:
+            raise ValueError("asymmetric weights in checkpoint_format gptq (v1 cannot hold them)")
+        return GPTQLayout(spec)
+
+
+FORMAT = GPTQFormat()

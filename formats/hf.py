@@ -21,6 +21,7 @@ import torch
 from core.architecture import Architecture
 from core.errors import InputError
 from formats.architecture import expected_tensors, from_transformers, transformers_config
+from formats.checkpoint_format import CheckpointFormat, ExportContents
 
 _ST_DTYPES = {
     "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
@@ -401,6 +402,20 @@ class DenseSafetensorsWriter:
 
     def abort(self) -> None:
         self._folder.abort()
+
+
+class DenseFormat(CheckpointFormat):
+    """The ``safetensors`` export: the weights as evaluated, in float32, for any variant."""
+
+    name = "safetensors"
+    dense = True
+
+    def writer(self, dest: Path, contents: ExportContents) -> DenseSafetensorsWriter:
+        source = contents.source
+        return DenseSafetensorsWriter(dest, [(n, source.shape(n)) for n in contents.names], torch.float32, source)
+
+
+FORMAT = DenseFormat()
 
 
 def load_causal_lm(ckpt: HFCheckpoint) -> torch.nn.Module:

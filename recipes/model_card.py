@@ -17,8 +17,8 @@ from evalsuite.report import COLUMNS, Report, VariantRow, cells
 from formats.hub import cached_repo, model_name
 from formats.modelfile import modelfile_name
 from formats.outputs import Outputs
+from formats.registry import FORMATS
 from recipes.schema import Recipe, Variant
-from recipes.variants import FOLDER_EXPORTS
 
 CARD = "README.md"
 _SCORE_COLUMNS = len(COLUMNS) - 1  # the report's columns but its time: the card describes files, not a run
@@ -30,6 +30,7 @@ _TRANSFORMERS_EXTRA = {"safetensors": None, "compressed-tensors": "compressed-te
 # Q4_K (README, Commands), then the dense one
 _CONVERT_FROM = ("compressed-tensors", "gptq", "awq", "bitsandbytes", "safetensors")
 _NEAREST_GGUF = {2: "Q2_K", 3: "Q3_K_M", 4: "Q4_K_M", 5: "Q5_K_M", 6: "Q6_K"}  # other bits: Q8_0
+FOLDER_EXPORTS = tuple(name for name, fmt in FORMATS.items() if fmt.folder)
 
 
 def write_model_cards(report: Report, recipe: Recipe, model: Path, out_dir: Path) -> None:

@@ -36,6 +36,7 @@ from evalsuite.streamed import streamed_scores
 from evalsuite.tasks import Task, load_task, run_task
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
 from formats.outputs import Outputs, check_output_path, folder_lock
+from formats.registry import is_folder
 from formats.sources import Source, open_checkpoint
 from formats.variant_weights import VariantWeights
 from quant.activations import simulated_activations
@@ -48,7 +49,7 @@ from recipes.model_card import write_model_cards
 from recipes.resume import ORIGINAL, RECORD, REFERENCE, SOURCE, Keys, finished, path_size, record, training_checkpoint
 from recipes.schema import LOCAL, SOURCE_ROW, Calibration, Recipe, Variant, check_against_model, ray_address
 from recipes.speed import engine_source
-from recipes.variants import FOLDER_EXPORTS, activation_modules, build_variant, export_paths, plan_variant
+from recipes.variants import activation_modules, build_variant, export_paths, plan_variant
 
 
 def run_recipe(recipe: Recipe, out_dir: Path, console: Console, executor: str | None = None) -> Report:
@@ -67,7 +68,7 @@ def run_recipe(recipe: Recipe, out_dir: Path, console: Console, executor: str | 
     for v in recipe.variants:  # fails fast on any mismatch with the model, and on any path it cannot write
         plan_variant(ckpt, v, getattr(v.weights, "imatrix", False))
         for export, path in export_paths(ckpt, v, out_dir).items():
-            check_output_path(path, folder=export in FOLDER_EXPORTS)
+            check_output_path(path, folder=is_folder(export))
     with _executor(executor, recipe) as on_ray, folder_lock(out_dir) as killed:
         if killed:
             console.print(f"{out_dir}: taking over from a job that did not finish (pid {killed['pid']} on {killed['host']}, "

@@ -9,10 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from core.errors import InputError
+from formats.registry import ENGINE_EXPORTS, FORMATS
 from recipes.schema import Speed, Variant
 from runner.bench import BenchResult, Workload, output_lengths, run_bench, run_llama_cpp, workload_prompts
 
-_ENGINE_EXPORTS = ("compressed-tensors", "gptq")
+_ENGINE_EXPORTS = [e for e in ENGINE_EXPORTS if FORMATS[e].codes]  # the exports the engine runs on their low-bit weights
 
 
 def workload(speed: Speed) -> Workload:

@@ -15,24 +15,18 @@ import torch
 from rich.progress import Progress
 
 from core.errors import InputError
-from core.file_types import FILE_TYPES
 from core.tensors import TensorPayload, dequantized
-from formats.awq import AWQWriter
-from formats.bitsandbytes import BitsAndBytesWriter
-from formats.compressed_tensors import CompressedTensorsWriter
-from formats.gguf import GGUFFileWriter
-from formats.gptq import GPTQWriter
-from formats.hf import DenseSafetensorsWriter, HFCheckpoint
+from formats.checkpoint_format import CheckpointFormat, ExportContents, Writer
+from formats.hf import HFCheckpoint
 from formats.hub import model_name
-from formats.modelfile import modelfile_name, write_modelfile
 from formats.outputs import Outputs
+from formats.registry import FORMATS, in_writing_order
 from formats.variant_weights import VariantWeights
 from quant.error import OUTPUT_ERROR, WEIGHT_ERROR, relative_error
 from quant.smoothquant import smoothquant_model
 from recipes.methods import Imatrix, Plan, chosen_modules, method_of
-from recipes.schema import GGUFWeights, GPTQWeights, Variant
-
-FOLDER_EXPORTS = ("safetensors", "compressed-tensors", "gptq", "awq", "bitsandbytes")  # each a checkpoint folder
+from recipes.methods.gguf import GGUFWeights
+from recipes.schema import Variant
 
 
 @dataclass
@@ -101,14 +95,14 @@ def _build(ckpt: HFCheckpoint, variant: Variant, out_dir: Path, progress: Progre
     measure = OUTPUT_ERROR if errors else WEIGHT_ERROR if compares and kept is not None else None
     linears = set(ckpt.linear_modules)
     files = export_paths(ckpt, variant, out_dir, gguf_path)
-    writers: list = []
+    contents = export_contents(ckpt, variant, plan)
+    writers: list[tuple[CheckpointFormat, Writer]] = []
     bits = params = 0.0
     task = progress.add_task(f"{variant.name}: quantize + export", total=len(plan.names))
     try:
-        for export, final in files.items():
-            writer = _writer(export, outputs.stage(final), ckpt, variant, plan, files)
-            if writer is not None:
-                writers.append(writer)
+        for fmt in in_writing_order(variant.exports):
+            writers.append((fmt, fmt.open(outputs, files, contents)))
+        dense = any(fmt.dense for fmt, _ in writers)
         for name in plan.names:
             source = None if name in fitted else ckpt.tensor(name)
             if source is None:
@@ -120,61 +114,48 @@ def _build(ckpt: HFCheckpoint, variant: Variant, out_dir: Path, progress: Progre
             # float32 weights only where a dense export or the weight error takes them: an 8B
             # model's embedding and head (no decoder Linears, so no weight error) are 2 GiB each
             compared = measure == WEIGHT_ERROR and name.removesuffix(".weight") in linears
-            weights = dequantized(payload) if compared or "safetensors" in variant.exports else None
-            for w in writers:
-                w.add(name, weights if isinstance(w, DenseSafetensorsWriter) else payload)
+            weights = dequantized(payload) if compared or dense else None
+            for fmt, w in writers:
+                w.add(name, weights if fmt.dense else payload)
             if compared:
                 errors[name.removesuffix(".weight")] = relative_error(ckpt.tensor(name) if source is None else source, weights)
             n = _numel(ckpt.shape(name))
             bits += _bits(payload) * n
             params += n
             progress.advance(task)
-        for w in writers:
+        for _, w in writers:
             w.finish()
     except BaseException:
-        for w in writers:
+        for _, w in writers:
             w.abort()
         raise
     finally:
         progress.remove_task(task)
-    return BuiltVariant(kept, [p for export, p in files.items() if export != "modelfile"], bits / params, statistics,
+    return BuiltVariant(kept, [p for key, p in files.items() if key in FORMATS], bits / params, statistics,
                         errors, measure if errors else None)
 
 
-def _writer(export: str, path: Path, ckpt: HFCheckpoint, variant: Variant, plan: Plan, files: dict[str, Path]):
-    """The writer of one export at ``path`` (None for the Modelfile, written here at once)."""
-    weights = variant.weights
-    if export == "safetensors":
-        return DenseSafetensorsWriter(path, [(n, ckpt.shape(n)) for n in plan.names], torch.float32, ckpt)
-    if export == "compressed-tensors":
-        act_order = isinstance(weights, GPTQWeights) and weights.act_order
-        activations = variant.activations.spec if variant.activations else None
-        return CompressedTensorsWriter(path, ckpt, plan.names, plan.quantized, weights.spec, activations, act_order)
-    if export == "gptq":
-        act_order = isinstance(weights, GPTQWeights) and weights.act_order and not weights.static_groups
-        settings = {"damp_percent": weights.damp, "static_groups": weights.static_groups, "true_sequential": True} \
-            if isinstance(weights, GPTQWeights) else {"method": weights.method}
-        return GPTQWriter(path, ckpt, plan.names, plan.quantized, weights.spec, act_order, settings)
-    if export == "awq":
-        return AWQWriter(path, ckpt, plan.names, plan.quantized, weights.spec)
-    if export == "bitsandbytes":
-        return BitsAndBytesWriter(path, ckpt, plan.names, plan.quantized, weights.spec)
-    if export == "gguf":
-        gguf_plan = [(n, ckpt.shape(n), plan.ggml_types[n]) for n in plan.names]
-        return GGUFFileWriter(path, ckpt, FILE_TYPES[method_of(weights).gguf_type(weights)].id, gguf_plan)
-    write_modelfile(path, files["gguf"].name, ckpt)
-    return None
+def export_contents(ckpt: HFCheckpoint, variant: Variant, plan: Plan) -> ExportContents:
+    """What the variant's exports hold, for their writers (formats/checkpoint_format.py): its
+    weights' grid only where an export stores codes on it (a gguf grid has none)."""
+    w, method = variant.weights, method_of(variant.weights)
+    codes = any(FORMATS[e].codes for e in variant.exports)
+    return ExportContents(ckpt, plan.names, plan.quantized, plan.ggml_types, spec=w.spec if codes else None,
+                          activations=variant.activations.spec if variant.activations else None,
+                          act_order=getattr(w, "act_order", False), static_groups=getattr(w, "static_groups", False),
+                          settings=method.fit_record(w), file_type=method.gguf_type(w))
 
 
 def export_paths(ckpt: HFCheckpoint, variant: Variant, out_dir: Path, gguf_path: Path | None = None) -> dict[str, Path]:
-    """Where each of a variant's exports goes, by export name (the GGUF file's Ollama Modelfile as
-    'modelfile'), so a job can check every output path before it starts."""
+    """Where each of a variant's exports goes, by export name (and its side files, such as the
+    GGUF file's Ollama Modelfile as 'modelfile'), so a job can check every output path before it
+    starts. ``gguf_path`` overrides where a file export (GGUF) goes."""
     vdir = out_dir / variant.name
-    paths = {export: vdir / export for export in FOLDER_EXPORTS if export in variant.exports}
-    if "gguf" in variant.exports:
-        gguf = gguf_path or vdir / f"{model_name(ckpt.path)}-{method_of(variant.weights).gguf_type(variant.weights)}.gguf"
-        paths["gguf"] = gguf
-        paths["modelfile"] = gguf.with_name(modelfile_name(gguf.name))
+    file_type = method_of(variant.weights).gguf_type(variant.weights)
+    paths: dict[str, Path] = {}
+    for fmt in in_writing_order(variant.exports):
+        at = gguf_path if gguf_path is not None and not fmt.folder else vdir / fmt.file_name(model_name(ckpt.path), file_type)
+        paths |= fmt.files(at)
     return paths
 
 

@@ -1,11 +1,13 @@
-"""The weight methods a variant names (``weights: {method: ...}``): one registry that the variant
-builder (recipes/variants.py) and the pipeline dispatch through.
+"""The weight methods a variant names (``weights: {method: ...}``): one registry that the recipe
+schema (recipes/schema.py: the union of the weights classes), the variant builder
+(recipes/variants.py) and the pipeline dispatch through.
 
-A method is one module here, registered under its recipe name, beside its weights class in
-recipes/schema.py: what it writes (``plan``), the layer-by-layer pass it fits on calibration text
-if it has one (``fits``, ``fit``), what it makes of each other tensor (``quantize``), and how the
-report names it (``describe``). The defaults suit methods that quantize the chosen decoder
-Linears.
+A method is one module here, registered under its recipe name, holding its weights class (the
+recipe's fields, checked; its bases are in recipes/fields.py): what it writes (``plan``), the
+layer-by-layer pass it fits on calibration text if it has one (``fits``, ``fit``), what it makes
+of each other tensor (``quantize``), and how the report names it (``describe``). The defaults
+suit methods that quantize the chosen decoder Linears. The modules are imported at the end of
+this one, in the order a recipe's error lists the methods.
 """
 
 from __future__ import annotations
@@ -16,10 +18,15 @@ from typing import Callable, Iterator
 
 import numpy as np
 import torch
+from pydantic import BaseModel
 
 from core.errors import InputError
+from core.file_types import tensor_types
 from core.tensors import LayerResult, TensorPayload
+from formats.gguf import architecture_of, gguf_name, gguf_order
 from formats.hf import HFCheckpoint
+from formats.registry import FORMATS
+from quant.ggml import encode
 from quant.gptq_model import select_modules
 
 Imatrix = dict[str, np.ndarray]  # HF weight name -> importance per input column
@@ -36,8 +43,12 @@ class Plan:
 
 class WeightMethod:
     """How a method turns the source tensors into a variant's. ``weights`` is the variant's
-    weights entry of the recipe (recipes/schema.py)."""
+    weights entry of the recipe: an instance of the method's ``weights`` class."""
 
+    weights: type[BaseModel]  # the recipe's fields of the method, with ``method: Literal[its name]``
+    # whether its weights are codes on one grid (``weights.spec``), which quantized checkpoint
+    # exports can hold (formats/registry.py: the formats with ``codes``)
+    on_grid = True
     # whether the dequantized weights compare one to one with the source's, for the report's
     # weight error where no calibrated pass measured output errors
     compares_weights = True
@@ -71,6 +82,11 @@ class WeightMethod:
     def gguf_type(self, weights) -> str | None:
         """The GGUF file type the weights are encoded as, for a GGUF export (None: not GGUF)."""
         return None
+
+    def fit_record(self, weights) -> dict:
+        """How the weights were fitted, as a quantized checkpoint's config records it (a GPTQ
+        config's ``meta``)."""
+        return {"method": weights.method}
 
     def describe(self, weights) -> str:
         return weights.method
@@ -139,5 +155,19 @@ def grid_plan(ckpt: HFCheckpoint, variant) -> Plan:
     return Plan(ckpt.names, quantized=set(targets))
 
 
-# each module registers its method on import
-from recipes.methods import awq, gguf, gptq, qat, rtn, source  # noqa: E402,F401
+def gguf_plan(ckpt: HFCheckpoint, variant, file_type: str, imatrix: bool) -> Plan:
+    """Every tensor's ggml type for ``file_type`` (llama.cpp's mixture), in the GGUF file's tensor
+    order when the variant writes a GGUF file: gguf's plan, and QAT's on a GGUF grid."""
+    names = ckpt.names
+    if any(FORMATS[e].ggml for e in variant.exports):
+        architecture_of(ckpt)
+        names = sorted((n for n in names if gguf_name(n, ckpt.arch) is not None), key=lambda n: gguf_order(gguf_name(n, ckpt.arch)))
+    return Plan(names, tensor_types(file_type, [(n, ckpt.shape(n)) for n in names], ckpt.arch, imatrix))
+
+
+def gguf_encode(plan: Plan, name: str, tensor: torch.Tensor, imatrix: Imatrix | None) -> TensorPayload:
+    return encode(tensor, plan.ggml_types[name], name, imatrix.get(name) if imatrix else None)
+
+
+# each module registers its method on import, in this order
+from recipes.methods import rtn, gptq, awq, qat, gguf, source  # noqa: E402,F401,I001

@@ -4,12 +4,40 @@ pass measures each Linear's output error instead."""
 
 from __future__ import annotations
 
-from quant.awq import awq_model
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from core.schemes import QuantSpec
+from quant.awq import AWQSettings, awq_model
+from recipes.fields import Targeted
 from recipes.methods import WeightMethod, chosen_modules, register
+
+
+class AWQWeights(Targeted):
+    """AWQ on the decoder layers' Linear weights: activation-aware scales folded into the norms and
+    feeding Linear rows, clipping search, then round-to-nearest on the scaled weights."""
+
+    method: Literal["awq"]
+    bits: int = Field(ge=2, le=8)
+    symmetric: bool = False
+    group_size: int | None = Field(default=128, ge=1)
+    weight_term: bool = True  # the weight-magnitude term of the scale search
+    clip: bool = True
+    calibrated: ClassVar[bool] = True
+
+    @property
+    def spec(self) -> QuantSpec:
+        return QuantSpec(self.bits, self.symmetric, "group" if self.group_size else "channel", self.group_size)
+
+    @property
+    def settings(self) -> AWQSettings:
+        return AWQSettings(weight_term=self.weight_term, clip=self.clip)
 
 
 @register("awq")
 class AWQ(WeightMethod):
+    weights = AWQWeights
     compares_weights = False
 
     def fits(self, weights) -> bool:

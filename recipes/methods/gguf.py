@@ -6,32 +6,34 @@ from a GGUF file, a tensor whose type does not change keeps its bytes."""
 
 from __future__ import annotations
 
-from core.file_types import tensor_types
+from typing import Literal
+
+from core.file_types import FILE_TYPES
 from core.tensors import GGMLTensor
-from formats.gguf import architecture_of, gguf_name, gguf_order
 from formats.gguf_source import GGUFCheckpoint
 from formats.quantized_checkpoint import QuantizedCheckpoint
-from quant.ggml import encode
 from quant.ggml.regrid import q4_k_from_int4
-from recipes.methods import Plan, WeightMethod, register
+from recipes.fields import Strict
+from recipes.methods import Plan, WeightMethod, gguf_encode, gguf_plan, register
 
 
-def gguf_plan(ckpt, variant, file_type: str, imatrix: bool) -> Plan:
-    """Every tensor's ggml type for ``file_type`` (llama.cpp's mixture), in the GGUF file's tensor
-    order when the variant writes a GGUF file."""
-    names = ckpt.names
-    if "gguf" in variant.exports:
-        architecture_of(ckpt)
-        names = sorted((n for n in names if gguf_name(n, ckpt.arch) is not None), key=lambda n: gguf_order(gguf_name(n, ckpt.arch)))
-    return Plan(names, tensor_types(file_type, [(n, ckpt.shape(n)) for n in names], ckpt.arch, imatrix))
+class GGUFWeights(Strict):
+    """Every tensor encoded as llama.cpp's quantizer would for a GGUF file type."""
 
+    method: Literal["gguf"]
+    type: Literal[tuple(FILE_TYPES)]  # type: ignore[valid-type]
+    imatrix: bool = False  # weight rounding errors by an importance matrix from the calibration text
 
-def gguf_encode(plan: Plan, name: str, tensor, imatrix) -> object:
-    return encode(tensor, plan.ggml_types[name], name, imatrix.get(name) if imatrix else None)
+    @property
+    def calibrated(self) -> bool:
+        return self.imatrix
 
 
 @register("gguf")
 class GGUF(WeightMethod):
+    weights = GGUFWeights
+    on_grid = False
+
     def plan(self, ckpt, variant, imatrix: bool) -> Plan:
         return gguf_plan(ckpt, variant, variant.weights.type, imatrix)
 

@@ -3,13 +3,41 @@ error on its calibration inputs comes with it."""
 
 from __future__ import annotations
 
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from core.schemes import QuantSpec
 from core.tensors import LayerResult
+from quant.gptq import GPTQSettings
 from quant.gptq_model import gptq_layer, gptq_model
+from recipes.fields import GridWeights
 from recipes.methods import WeightMethod, chosen_modules, register
+
+
+class GPTQWeights(GridWeights):
+    """GPTQ on the decoder layers' Linear weights, fitted layer by layer on the calibration text."""
+
+    method: Literal["gptq"]
+    group_size: int | None = Field(default=128, ge=1)  # null: one scale per output channel
+    act_order: bool = False
+    static_groups: bool = False
+    damp: float = Field(default=0.01, gt=0, le=1)
+    calibrated: ClassVar[bool] = True
+
+    @property
+    def spec(self) -> QuantSpec:
+        return self._spec("group" if self.group_size else "channel", self.group_size)
+
+    @property
+    def settings(self) -> GPTQSettings:
+        return GPTQSettings(damp=self.damp, act_order=self.act_order, static_groups=self.static_groups)
 
 
 @register("gptq")
 class GPTQ(WeightMethod):
+    weights = GPTQWeights
+
     def fits(self, weights) -> bool:
         return True
 
@@ -23,6 +51,9 @@ class GPTQ(WeightMethod):
     def layer_quantizer(self, ckpt, weights):
         chosen = set(chosen_modules(ckpt, weights))
         return lambda step: {n: r.tensor for n, r in gptq_layer(step, weights.spec, weights.settings, chosen).items()}
+
+    def fit_record(self, weights: GPTQWeights) -> dict:
+        return {"damp_percent": weights.damp, "static_groups": weights.static_groups, "true_sequential": True}
 
     def describe(self, weights) -> str:
         return (f"gptq {weights.spec.label}" + (" act-order" if weights.act_order else "")

@@ -10,15 +10,89 @@ llama.cpp would.
 
 from __future__ import annotations
 
+from typing import ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from core.schemes import QuantSpec
 from core.tensors import GGMLTensor, LayerResult, QuantizedTensor
 from quant.ggml.legacy import q4_0_from_levels
-from quant.qat import qat_model
-from recipes.methods import Plan, WeightMethod, chosen_modules, finite, grid_plan, register
-from recipes.methods.gguf import gguf_encode, gguf_plan
+from quant.qat import E2E_STEPS, Q4_K, Grid, QATSettings, qat_model
+from recipes.fields import Targeted
+from recipes.methods import Plan, WeightMethod, chosen_modules, finite, gguf_encode, gguf_plan, grid_plan, register
+
+
+# the GGUF file types QAT trains for, and the grid of the tensors it trains in each
+QAT_FILE_TYPES = {"Q4_0": "4 bits, symmetric, blocks of 32", "Q4_K_S": "Q4_K: super-blocks of 256, 6-bit sub-block scales",
+                  "Q4_K_M": "Q4_K: super-blocks of 256, 6-bit sub-block scales"}
+
+
+class QATWeights(Targeted):
+    """Quantization-aware training of the decoder layers' Linear weights on the calibration text:
+    each layer trained to reproduce the float layer's outputs through the grid its exports store,
+    starting from round-to-nearest's or GPTQ's grid, then (``e2e_steps``) the scales and norms of
+    the whole model against the original's next-token distribution (quant/qat.py). The grid is
+    integer (``bits``, ``symmetric``, ``group_size``), or a GGUF file type's (``gguf``): Q4_0
+    (blocks of 32, symmetric 4-bit) or the Q4_K tensors of Q4_K_S and Q4_K_M (super-blocks of
+    256 with 6-bit sub-block scales, starting from llama.cpp's own), written into the file as
+    trained."""
+
+    method: Literal["qat"]
+    bits: int | None = Field(default=None, ge=2, le=8)
+    symmetric: bool = False
+    group_size: int | None = Field(default=128, ge=1)  # null: one scale per output channel
+    gguf: Literal[tuple(QAT_FILE_TYPES)] | None = None  # type: ignore[valid-type]
+    init: Literal["rtn", "gptq"] = "rtn"
+    steps: int = Field(default=200, ge=1, le=1_000_000)  # per decoder layer
+    lr: float = Field(default=0.02, gt=0, le=1)  # in steps of the grid per optimizer step
+    batch: int = Field(default=2, ge=1)  # calibration windows per micro-batch
+    accumulate: int = Field(default=1, ge=1, le=1024)  # micro-batches per optimizer step
+    learn_scales: bool = True
+    e2e_steps: int = Field(default=E2E_STEPS, ge=0, le=1_000_000)  # end to end, after the layers (0: none)
+    e2e_lr: float = Field(default=1e-3, gt=0, le=1)  # relative to each scale, per optimizer step
+    calibrated: ClassVar[bool] = True
+
+    @model_validator(mode="after")
+    def _one_grid(self) -> "QATWeights":
+        if self.gguf is None and self.bits is None:
+            raise ValueError("bits is required (or gguf: " + " | ".join(QAT_FILE_TYPES) + ")")
+        given = sorted(self.model_fields_set & {"bits", "symmetric", "group_size"})
+        if self.gguf is not None and given:
+            raise ValueError(f"gguf: {self.gguf} fixes the grid ({QAT_FILE_TYPES[self.gguf]}): leave out {', '.join(given)}")
+        if self.grid == Q4_K and self.init != "rtn":
+            raise ValueError(f"gguf: {self.gguf} starts from llama.cpp's own Q4_K: leave out init: {self.init}")
+        return self
+
+    @property
+    def trained_type(self) -> str | None:
+        """The ggml type of the tensors QAT trains in a GGUF file (None: not a GGUF grid)."""
+        return None if self.gguf is None else "Q4_0" if self.gguf == "Q4_0" else Q4_K
+
+    @property
+    def grid(self) -> Grid:
+        if self.gguf == "Q4_0":
+            return QuantSpec(4, True, "group", 32)
+        if self.gguf is not None:
+            return Q4_K
+        return QuantSpec(self.bits, self.symmetric, "group" if self.group_size else "channel", self.group_size)
+
+    @property
+    def spec(self) -> QuantSpec:
+        """The integer grid, for the exports that store one."""
+        if not isinstance(self.grid, QuantSpec):
+            raise ValueError(f"gguf: {self.gguf} is not an integer grid")
+        return self.grid
+
+    @property
+    def settings(self) -> QATSettings:
+        return QATSettings(steps=self.steps, lr=self.lr, batch=self.batch, accumulate=self.accumulate,
+                           learn_scales=self.learn_scales, init=self.init, e2e_steps=self.e2e_steps, e2e_lr=self.e2e_lr)
 
 
 @register("qat")
 class QAT(WeightMethod):
+    weights = QATWeights
+
     def plan(self, ckpt, variant, imatrix: bool) -> Plan:
         w = variant.weights
         if w.gguf is None:

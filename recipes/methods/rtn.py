@@ -3,14 +3,60 @@ columns in fp16 (fitted on the calibration text: quant/outliers.py)."""
 
 from __future__ import annotations
 
-from quant.outliers import mixed_precision_model
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from core.schemes import QuantSpec
+from quant.outliers import OutlierRule, mixed_precision_model
 from quant.rtn import quantize_rtn
 from quant.smoothquant import rtn_layer
+from recipes.fields import GridWeights, Strict
 from recipes.methods import WeightMethod, chosen_modules, finite, register
+
+
+class Outliers(Strict):
+    """LLM.int8-style mixed precision: the input columns whose calibration activations exceed both
+    ``threshold`` and ``relative`` times their Linear's median stay in fp16 (quant/outliers.py)."""
+
+    threshold: float = Field(default=6.0, ge=0)
+    relative: float = Field(default=3.0, ge=0)
+
+    @property
+    def rule(self) -> OutlierRule:
+        return OutlierRule(self.threshold, self.relative)
+
+
+class RTNWeights(GridWeights):
+    """Round-to-nearest quantization of the decoder's Linear weights."""
+
+    method: Literal["rtn"]
+    granularity: Literal["tensor", "channel", "group", "block"] = "channel"
+    group_size: int | None = Field(default=None, ge=1)  # group: input columns; block: rows and columns
+    outliers: Outliers | None = None  # {} for the defaults: fitted on the calibration text
+
+    @property
+    def calibrated(self) -> bool:  # each weights class: whether it needs calibration text
+        return self.outliers is not None
+
+    @model_validator(mode="after")
+    def _group_size_matches_granularity(self) -> "RTNWeights":
+        sized = self.granularity in ("group", "block")
+        if sized and self.group_size is None:
+            raise ValueError(f"granularity '{self.granularity}' needs group_size")
+        if not sized and self.group_size is not None:
+            raise ValueError(f"group_size is only valid with granularity 'group' or 'block', not '{self.granularity}'")
+        return self
+
+    @property
+    def spec(self) -> QuantSpec:
+        return self._spec(self.granularity, self.group_size)
 
 
 @register("rtn")
 class RTN(WeightMethod):
+    weights = RTNWeights
+
     def fits(self, weights) -> bool:
         return weights.outliers is not None
 
