@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fuzz_inputs import gguf_slots
-from test_cli import assert_user_error, quantize
+from helpers.fuzz_inputs import gguf_slots
+from helpers.cli import assert_user_error, quantize
 
 
 # ---------------------------------------------------------------- GGUF
@@ -122,7 +122,7 @@ def test_inspect_refuses_a_tensor_whose_data_lies_past_the_end(monkeypatch, caps
 
 
 def llama_cpp_gguf():
-    from fuzz_inputs import LlamaCppGGUF
+    from helpers.fuzz_inputs import LlamaCppGGUF
 
     return LlamaCppGGUF()
 
@@ -219,7 +219,7 @@ SAFETENSORS_DAMAGE = {
 
 @pytest.mark.parametrize("case", SAFETENSORS_DAMAGE)
 def test_damaged_safetensors_headers_get_one_line(monkeypatch, capsys, tmp_path, small_model, case):
-    from fuzz_inputs import safetensors_accepts
+    from helpers.fuzz_inputs import safetensors_accepts
 
     change, fragment = SAFETENSORS_DAMAGE[case]
     folder = damaged(small_model, tmp_path, change)

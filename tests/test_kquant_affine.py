@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 import quant.ggml.kquant_affine as kq
 from conftest import TINY
-from ggml_oracle import available, ggml_quantize
+from helpers.ggml_oracle import available, ggml_quantize
 
 ENCODERS = {"Q4_K": kq.quantize_q4_k, "Q5_K": kq.quantize_q5_k, "Q2_K": kq.quantize_q2_k}
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q2_K": 84}

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 import quant.ggml.kquant_symmetric as ks
 from conftest import TINY
-from ggml_oracle import available, ggml_quantize
+from helpers.ggml_oracle import available, ggml_quantize
 from quant.ggml.kquant_symmetric import quantize_q3_k, quantize_q6_k
 
 ENCODERS = {"Q6_K": (quantize_q6_k, 210), "Q3_K": (quantize_q3_k, 110)}

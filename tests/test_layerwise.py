@@ -54,7 +54,7 @@ def test_input_statistics_are_those_of_the_modules_real_inputs():
 def test_the_walk_gives_the_logits_of_models_whose_layers_differ(tmp_path, name):
     """Gemma's sliding and global layers get their own masks and rope: each layer is called with
     what the model itself passes it (Gemma 3's seven layers: five sliding ones, one global)."""
-    from model_zoo import zoo_model
+    from helpers.model_zoo import zoo_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(zoo_model(tmp_path / "m", name), dtype=torch.float32).eval()

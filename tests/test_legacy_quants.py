@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 import quant.ggml.legacy as legacy
 from conftest import TINY
-from ggml_oracle import available, ggml_quantize
+from helpers.ggml_oracle import available, ggml_quantize
 
 ENCODERS = {
     "Q4_0": legacy.quantize_q4_0,

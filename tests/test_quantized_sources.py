@@ -4,10 +4,8 @@ that of the dequantized source within what the conversion must lose."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 
@@ -15,6 +13,7 @@ from conftest import BUNDLED, EVAL_TEXT, REPO, TINY
 from formats.hf import HFCheckpoint, load_tokenizer
 from formats.quantized_checkpoint import QuantizedCheckpoint
 from formats.sources import open_checkpoint
+from helpers.llama_cpp_scores import llama_cpp_added_kld, llama_cpp_perplexity
 from recipes.schema import Variant
 from recipes.variants import build_variant, gguf_variant
 
@@ -62,37 +61,6 @@ def test_a_quantized_folder_reads_as_the_weights_it_was_written_from(sources, la
         assert torch.equal(source.tensor(name), expected), name
     assert len(source.quantized) == 7 * 6
     assert 4 < source.bits_per_weight < 11  # codes, scales and zero-points; embeddings in float16
-
-
-def llama_cpp_log_probs(path, tokens: list[int], window: int = 256):
-    """llama.cpp's next-token log-probabilities over each whole window of ``tokens`` (a fresh cache
-    per window), with the tokens they predict."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is the 'interop' extra")
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=window, logits_all=True, verbose=False, n_threads=2)
-    for start in range(0, len(tokens) - window + 1, window):
-        ids = tokens[start : start + window]
-        llm.reset()
-        llm.eval(ids)
-        logits = torch.tensor(np.asarray(llm.scores[: window - 1]), dtype=torch.float64)
-        yield logits.log_softmax(-1), torch.tensor(ids[1:])
-
-
-def llama_cpp_perplexity(path, tokens: list[int], window: int = 256) -> float:
-    nll, count = 0.0, 0
-    for log_probs, targets in llama_cpp_log_probs(path, tokens, window):
-        nll -= log_probs[torch.arange(len(targets)), targets].sum().item()
-        count += len(targets)
-    return math.exp(nll / count)
-
-
-def llama_cpp_added_kld(source, converted, tokens: list[int], window: int = 256) -> float:
-    """Mean KL divergence of the converted file's next-token distribution from the source file's,
-    both run by llama.cpp: what the conversion alone adds."""
-    total, count = 0.0, 0
-    for (p, _), (q, _) in zip(llama_cpp_log_probs(source, tokens, window), llama_cpp_log_probs(converted, tokens, window)):
-        total += (p.exp() * (p - q)).sum().item()
-        count += len(p)
-    return total / count
 
 
 @pytest.mark.parametrize("layout", FOUR_BIT)
@@ -188,7 +156,7 @@ def test_a_recipe_takes_a_quantized_checkpoint_as_its_model(sources, tmp_path):
 def test_quantize_export_converts_a_gptq_folder(sources, tmp_path, monkeypatch, capsys):
     from gguf import GGUFReader
 
-    from test_cli import quantize
+    from helpers.cli import quantize
 
     code, out, err = quantize(monkeypatch, capsys, "export", sources / "gptq" / "gptq", "--gguf", "Q4_K_M",
                               "-o", tmp_path / "m.gguf")
@@ -324,7 +292,7 @@ def gptqmodel_source(request, tmp_path_factory):
     import os
     import subprocess
 
-    from test_gptq_awq_exports import GPTQMODEL
+    from helpers.gptqmodel import GPTQMODEL
 
     if not GPTQMODEL.exists():
         pytest.skip("GPTQModel's venv: bench/anchors/setup.sh gptqmodel (make test runs it)")
@@ -340,7 +308,7 @@ def gptqmodel_source(request, tmp_path_factory):
 
 
 def test_a_gptq_file_gptqmodel_wrote_reads_as_gptqmodel_reads_it(gptqmodel_source):
-    from test_gptq_awq_exports import assert_read_back_exactly, read_back
+    from helpers.gptqmodel import assert_read_back_exactly, read_back
 
     settings, folder = gptqmodel_source
     source = open_checkpoint(folder / "gptq")

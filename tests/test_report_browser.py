@@ -1,5 +1,5 @@
 """The report page as a reader sees it: opened in a real headless browser (Debian's chromium via
-Playwright, see tests/browser.py), with no errors, nothing fetched from outside, one mark per
+Playwright, see tests/helpers/browser.py), with no errors, nothing fetched from outside, one mark per
 variant and no label over another label or a mark, even when variants crowd together. The new
 charts (one task's accuracy, a per-Linear error heat map) are checked the same way on a page of
 their own, and without a browser as XML.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from browser import BrowserMissing, check_page, launch, overlaps
+from helpers.browser import BrowserMissing, check_page, launch, overlaps
 from evalsuite import chart
 from evalsuite.chart import heatmap_svg, size_fidelity_svg, speed_fidelity_svg, task_accuracy_svg
 from evalsuite.metrics import Scores
