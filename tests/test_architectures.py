@@ -264,6 +264,7 @@ def calibrated(zoo, tmp_path_factory):
     return built
 
 
+@pytest.mark.anchor
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 @pytest.mark.parametrize("name", NAMES)
 def test_gptqmodel_reads_our_gptq_and_awq_files_of_every_architecture_back(zoo, calibrated, name, method):

@@ -120,6 +120,7 @@ def _assert_readable(c) -> None:
 
 # --- in the browser -------------------------------------------------------------------------------
 
+@pytest.mark.anchor  # Debian's chromium
 def test_the_report_page_renders_cleanly_with_crowded_variants(browser, tmp_path):
     rows = _rows()
     report = Report(model="synthetic/crowded", eval_text="eval.txt", windows=2, window=128, rows=rows)
@@ -139,6 +140,7 @@ def test_the_report_page_renders_cleanly_with_crowded_variants(browser, tmp_path
     _keep(check.screenshot)
 
 
+@pytest.mark.anchor  # Debian's chromium
 def test_the_new_charts_render_cleanly(browser, tmp_path):
     rows = _rows()
     errors = _errors()
@@ -165,6 +167,7 @@ def test_the_new_charts_render_cleanly(browser, tmp_path):
     _keep(check.screenshot)
 
 
+@pytest.mark.anchor  # Debian's chromium
 def test_the_check_itself_sees_errors_and_outside_requests(browser, tmp_path):
     """A page that breaks every rule, so a clean result above means something."""
     page = tmp_path / "bad.html"

@@ -126,6 +126,7 @@ def test_a_missing_task_fails_the_recipe_in_one_line(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.anchor  # Debian's chromium
 def test_the_real_report_reads_in_a_browser(task_run):
     """The run's report.html in headless chromium: clean console, self-contained, one mark per
     variant on the size chart and per model on each task chart; the screenshot is kept."""

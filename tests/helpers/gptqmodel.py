@@ -13,7 +13,12 @@ from conftest import REPO
 GPTQMODEL = REPO / ".anchors" / "gptqmodel" / "bin" / "python"
 
 
-needs_gptqmodel = pytest.mark.skipif(not GPTQMODEL.exists(), reason="GPTQModel's venv: bench/anchors/setup.sh gptqmodel (make test runs it)")
+_missing = pytest.mark.skipif(not GPTQMODEL.exists(), reason="GPTQModel's venv: bench/anchors/setup.sh gptqmodel (make test runs it)")
+
+
+def needs_gptqmodel(test):
+    """A test that runs GPTQModel: in the anchor tier, skipped where its venv is missing."""
+    return pytest.mark.anchor(_missing(test))
 
 
 # Runs in GPTQModel's venv: loads FOLDER/FORMAT on the CPU with GPTQModel's torch kernels, compares
