@@ -5,6 +5,7 @@ bytes per token those of `quantize fit`; sampling reproducible by seed; bad requ
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import TINY
 from core.errors import InputError

@@ -10,7 +10,6 @@ import shutil
 import pytest
 import torch
 
-from conftest import TINY
 from core.errors import InputError
 from runner import LLM, SamplingParams
 from helpers.engine import VARIANTS, prompts_from_text, variants  # noqa: F401  (variants: a fixture)
