@@ -108,3 +108,7 @@ def pytest_collection_modifyitems(config, items):
     both = [item.nodeid for item in items if item.get_closest_marker("check") and item.get_closest_marker("anchor")]
     if both:
         raise pytest.UsageError(f"marked both check and anchor (the fast tier runs without anchors): {both}")
+    # small_run builds ten variants (about 6 minutes on a loaded 2-core machine): the fast tier never pays for it
+    heavy = [item.nodeid for item in items if item.get_closest_marker("check") and "small_run" in getattr(item, "fixturenames", ())]
+    if heavy:
+        raise pytest.UsageError(f"in the fast tier but using the small_run fixture (minutes to build): {heavy}")

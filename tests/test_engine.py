@@ -30,7 +30,8 @@ def prompts():
     return prompts_from_text()
 
 
-@pytest.mark.parametrize("name", ["llama-tied", "llama-untied", "mistral", "qwen2"])
+# the bundled model in the fast tier: the engine's tokens against transformers' on what users serve first
+@pytest.mark.parametrize("name", [pytest.param("llama-tied", marks=pytest.mark.check), "llama-untied", "mistral", "qwen2"])
 def test_greedy_tokens_equal_transformers_generate(models, prompts, name):
     ours, _ = greedy(models[name], prompts)
     assert ours == transformers_greedy(models[name], prompts)

@@ -29,6 +29,10 @@ def tensors(path):
     return {t.name: (t.tensor_type.name, bytes(t.data)) for t in GGUFReader(path).tensors}
 
 
+# the fast tier (docs/testing.md): one K-quant file, with an importance matrix, byte for byte
+CHECK_CASES = {"test_every_tensor_matches_llama_quantize[tiny-Q4_K_M-imatrix]"}
+
+
 @pytest.fixture(scope="module", params=["tiny", "ref", "smollm2"])
 def model(request, tmp_path_factory):
     """(checkpoint, work folder, our F32 GGUF for llama.cpp to quantize, importance matrix)."""

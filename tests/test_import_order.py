@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
+
 REPO = Path(__file__).resolve().parents[1]
 FLOORS = {"core": 0, "formats": 1, "calib": 2, "quant": 3, "evalsuite": 4, "runner": 4, "recipes": 5, "bench": 6}
 

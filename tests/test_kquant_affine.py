@@ -19,6 +19,8 @@ import quant.ggml.kquant_affine as kq
 from conftest import TINY
 from helpers.ggml_oracle import available, ggml_quantize
 
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
+
 ENCODERS = {"Q4_K": kq.quantize_q4_k, "Q5_K": kq.quantize_q5_k, "Q2_K": kq.quantize_q2_k}
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q2_K": 84}
 needs_oracle = pytest.mark.skipif(not available(), reason="llama-cpp-python's libggml-base is not installed")

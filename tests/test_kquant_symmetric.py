@@ -20,6 +20,8 @@ from conftest import TINY
 from helpers.ggml_oracle import available, ggml_quantize
 from quant.ggml.kquant_symmetric import quantize_q3_k, quantize_q6_k
 
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
+
 ENCODERS = {"Q6_K": (quantize_q6_k, 210), "Q3_K": (quantize_q3_k, 110)}
 ROWS, COLS = 96, 1024  # 384 super-blocks per case
 

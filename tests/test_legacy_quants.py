@@ -21,6 +21,8 @@ import quant.ggml.legacy as legacy
 from conftest import TINY
 from helpers.ggml_oracle import available, ggml_quantize
 
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
+
 ENCODERS = {
     "Q4_0": legacy.quantize_q4_0,
     "Q4_1": legacy.quantize_q4_1,

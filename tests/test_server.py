@@ -16,6 +16,8 @@ import pytest
 from conftest import TINY
 from runner import LLM, SamplingParams
 
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
+
 KEY = "test-key"
 NAME = "tiny"
 
