@@ -13,6 +13,8 @@ from formats.hf import HFCheckpoint
 from formats.imatrix import read_imatrix, write_imatrix
 from helpers.cli import assert_user_error, quantize
 
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
+
 
 TINY_ARCH = HFCheckpoint.open(TINY).arch
 

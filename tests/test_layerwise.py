@@ -9,6 +9,8 @@ from calib.text import token_windows
 from conftest import BUNDLED, TINY
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
 
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
+
 
 def _tiny(windows=4, length=128):
     ckpt = HFCheckpoint.open(TINY)

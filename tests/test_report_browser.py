@@ -183,6 +183,7 @@ def test_the_check_itself_sees_errors_and_outside_requests(browser, tmp_path):
 
 # --- without a browser ----------------------------------------------------------------------------
 
+@pytest.mark.check
 def test_task_accuracy_chart_has_a_dot_and_whisker_per_variant():
     root = ET.fromstring(task_accuracy_svg("arc <easy>", TASK_POINTS, chance=0.25))
     assert (root.get("class"), root.get("data-chart"), root.get("data-task")) == ("chart", "task-accuracy", "arc <easy>")
@@ -202,6 +203,7 @@ def test_task_accuracy_chart_has_a_dot_and_whisker_per_variant():
     assert task_accuracy_svg("t", []).startswith("<p>")
 
 
+@pytest.mark.check
 def test_heatmap_has_a_cell_per_module_coloured_by_its_error():
     errors = _errors()
     root = ET.fromstring(heatmap_svg("int4 <g128>", errors, "relative output error"))
@@ -230,6 +232,7 @@ def _luminance(colour: str) -> float:
     return 0.2126 * r + 0.7152 * g + 0.0722 * b
 
 
+@pytest.mark.check
 def test_the_front_is_filled_and_the_rest_hollow():
     rows = _rows()
     front = frozenset(pareto_front(rows))
@@ -245,6 +248,7 @@ def test_the_front_is_filled_and_the_rest_hollow():
     assert plain.find(f"{SVG}g[@class='legend']") is None
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("seed", range(40))
 def test_labels_never_overlap_on_estimated_boxes(seed):
     """Random crowds (tight clusters, duplicates, long names, KLDs of zero), checked on the boxes the
@@ -278,6 +282,7 @@ def _hit(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
     return a[0] < b[0] + b[2] and b[0] < a[0] + a[2] and a[1] < b[1] + b[3] and b[1] < a[1] + a[3]
 
 
+@pytest.mark.check
 def test_names_are_escaped_and_the_charts_stay_free_of_scripts_and_links():
     for svg in (size_fidelity_svg(_rows(), frozenset(pareto_front(_rows()))), speed_fidelity_svg(_rows()),
                 task_accuracy_svg("t", TASK_POINTS, 0.5), heatmap_svg("v", _errors(), "m")):
