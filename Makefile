@@ -1,11 +1,11 @@
-# Two entry points: `make demo` and `make test`. Both create .venv when missing and install into it.
+# Entry points: `make demo`, `make check` (the fast tier) and `make test` (the whole suite). Each creates .venv when missing and installs into it.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # torch first and pinned: a bare torch requirement would pull a multi-GB CUDA build on CPU machines.
 TORCH := torch==2.13.0
 
-.PHONY: demo test clean
+.PHONY: demo check test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ $(VENV)/.test: pyproject.toml | $(BIN)/python
 
 demo: $(VENV)/.core
 	$(BIN)/quantize recipes/demo.yaml
+
+# The fast tier (docs/testing.md): the tests marked `check`, no anchor venv, no browser, no
+# llama.cpp beyond llama-cpp-python; under 8 minutes on 2 cores once the dev venv exists.
+check: $(VENV)/.test
+	$(BIN)/python -m pytest tests -m "check and not anchor" --durations=10
 
 # GPTQModel, the loader the GPTQ export tests read our files back with, pins numpy; vLLM's CPU
 # build, which the interop test serves our exports with, and llm-compressor, whose AWQ checkpoint

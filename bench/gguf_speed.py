@@ -22,7 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests"))  # tests/helpers: llama.cpp's own quantizer
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
     import torch
     from gguf import GGUFReader
 
-    from ggml_oracle import llama_quantize_file
+    from helpers.ggml_oracle import llama_quantize_file
     from formats.hf import HFCheckpoint
     from core.file_types import FILE_TYPES
     from recipes.variants import build_variant, gguf_variant

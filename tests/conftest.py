@@ -92,3 +92,23 @@ def small_run(tmp_path_factory) -> tuple[Path, dict]:
     out = folder / "out"
     run_recipe(recipe, out, Console(quiet=True))
     return out, json.loads((out / "report.json").read_text())
+
+
+# ---------------------------------------------------------------- tiers (docs/testing.md)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(config, items):
+    """A module puts single parametrized cases in the fast tier by id, where a mark on a parameter
+    would take in every case sharing it: ``CHECK_CASES = {"test_x[tiny-Q4_K_M-imatrix]"}``. A test
+    both in the fast tier and needing an anchor is an error (the fast tier runs without them)."""
+    for item in items:
+        if item.name in getattr(getattr(item, "module", None), "CHECK_CASES", ()):
+            item.add_marker(pytest.mark.check)
+    both = [item.nodeid for item in items if item.get_closest_marker("check") and item.get_closest_marker("anchor")]
+    if both:
+        raise pytest.UsageError(f"marked both check and anchor (the fast tier runs without anchors): {both}")
+    # small_run builds ten variants (about 6 minutes on a loaded 2-core machine): the fast tier never pays for it
+    heavy = [item.nodeid for item in items if item.get_closest_marker("check") and "small_run" in getattr(item, "fixturenames", ())]
+    if heavy:
+        raise pytest.UsageError(f"in the fast tier but using the small_run fixture (minutes to build): {heavy}")

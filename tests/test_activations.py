@@ -8,6 +8,8 @@ from core.errors import InputError
 from core.schemes import ActivationSpec
 from quant.activations import fake_quantize, simulated_activations
 
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
+
 
 def _tokens() -> torch.Tensor:
     """Tokens of very different sizes, one all-zero, a few channels much larger than the rest."""

@@ -1,5 +1,5 @@
 """Gemma 2, Gemma 3, Qwen3, Phi-3 and Llama 3.2 through GGUF export and the engine, on random models
-of each shape (tests/model_zoo.py): llama.cpp's own quantizer gives the same bytes as ours from
+of each shape (tests/helpers/model_zoo.py): llama.cpp's own quantizer gives the same bytes as ours from
 our F32 file, llama.cpp computes what transformers computes, and the engine decodes what
 transformers' generate decodes."""
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from formats.hf import HFCheckpoint
-from model_zoo import ZOO, llama_cpp_and_transformers, make_model, zoo_model
+from helpers.model_zoo import ZOO, llama_cpp_and_transformers, make_model, zoo_model
 from core.errors import InputError
 from recipes.variants import build_variant, gguf_variant
-from test_engine import greedy, prompts_from_text, transformers_greedy
+from helpers.engine import greedy, prompts_from_text, transformers_greedy
 
 NAMES = list(ZOO)
 # Q3_K_M and Q4_K_M give attn_v (and Phi-3's fused attn_qkv, which llama.cpp counts as one) more
@@ -43,7 +43,7 @@ def test_every_architecture_reads_its_conventions(zoo):
 @pytest.mark.parametrize("file_type", FILE_TYPES)
 @pytest.mark.parametrize("name", NAMES)
 def test_gguf_bytes_equal_llama_quantize_of_our_f32_file(zoo, tmp_path, name, file_type):
-    ggml_oracle = pytest.importorskip("ggml_oracle")
+    ggml_oracle = pytest.importorskip("helpers.ggml_oracle")
     if not ggml_oracle.available():
         pytest.skip("llama-cpp-python is the 'interop' extra (make test installs it)")
     from gguf import GGUFReader
@@ -264,10 +264,11 @@ def calibrated(zoo, tmp_path_factory):
     return built
 
 
+@pytest.mark.anchor
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 @pytest.mark.parametrize("name", NAMES)
 def test_gptqmodel_reads_our_gptq_and_awq_files_of_every_architecture_back(zoo, calibrated, name, method):
-    from test_gptq_awq_exports import GPTQMODEL, assert_read_back_exactly, read_back
+    from helpers.gptqmodel import GPTQMODEL, assert_read_back_exactly, read_back
 
     if not GPTQMODEL.exists():
         pytest.skip("GPTQModel's venv: bench/anchors/setup.sh gptqmodel (make test runs it)")

@@ -10,29 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SMALL_RECIPE, TINY, write_recipe
-from recipes.cli import main
-
-
-def quantize(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["quantize", *map(str, args)])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def assert_user_error(result, *fragments: str) -> None:
-    code, out, err = result
-    assert code == 2, (code, out, err)
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith("error: ")
-    assert "Traceback" not in err + out
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
+from helpers.cli import assert_user_error, quantize
 
 
 def recipe_with(tmp_path, **changes):
@@ -54,38 +32,46 @@ def run_bad(monkeypatch, capsys, tmp_path, recipe_text: str | dict, *fragments: 
     assert not out.exists() or not any(out.rglob("*")), "a failed run left files behind"
 
 
+@pytest.mark.check
 def test_help_shows_the_recipe_form(monkeypatch, capsys):
     code, out, _ = quantize(monkeypatch, capsys, "--help")
     assert code == 0
     assert "quantize RECIPE.yaml" in out and "inspect" in out
 
 
+@pytest.mark.check
 def test_missing_recipe_file(monkeypatch, capsys, tmp_path):
     assert_user_error(quantize(monkeypatch, capsys, tmp_path / "nope.yaml"), "nope.yaml", "not found")
 
 
+@pytest.mark.check
 def test_malformed_yaml(monkeypatch, capsys, tmp_path):
     run_bad(monkeypatch, capsys, tmp_path, "model: [unclosed\nvariants: {", "bad.yaml", "malformed YAML", "line")
 
 
+@pytest.mark.check
 def test_recipe_nested_too_deeply(monkeypatch, capsys, tmp_path):
     run_bad(monkeypatch, capsys, tmp_path, "model: " + "[" * 5000 + "]" * 5000 + "\n", "bad.yaml", "nested too deeply")
 
 
+@pytest.mark.check
 def test_recipe_that_is_not_a_mapping(monkeypatch, capsys, tmp_path):
     run_bad(monkeypatch, capsys, tmp_path, "- just\n- a list\n", "bad.yaml", "mapping")
 
 
+@pytest.mark.check
 def test_unknown_top_level_field(monkeypatch, capsys, tmp_path):
     run_bad(monkeypatch, capsys, tmp_path, recipe_with(tmp_path, modle="x"), "unknown field 'modle'")
 
 
+@pytest.mark.check
 def test_unknown_field_in_a_variant(monkeypatch, capsys, tmp_path):
     recipe = recipe_with(tmp_path)
     recipe["variants"][0]["weights"]["bitz"] = 4
     run_bad(monkeypatch, capsys, tmp_path, recipe, "unknown field 'variants[0](int8).weights.bitz'")
 
 
+@pytest.mark.check
 @pytest.mark.parametrize(
     "weights, fragment",
     [
@@ -106,6 +92,7 @@ def test_unknown_or_invalid_values(monkeypatch, capsys, tmp_path, weights, fragm
     run_bad(monkeypatch, capsys, tmp_path, recipe, fragment)
 
 
+@pytest.mark.check
 @pytest.mark.parametrize(
     "variant, fragment",
     [
@@ -124,6 +111,7 @@ def test_invalid_activations_and_outliers(monkeypatch, capsys, tmp_path, variant
     run_bad(monkeypatch, capsys, tmp_path, recipe, fragment)
 
 
+@pytest.mark.check
 def test_outliers_without_calibration_text(monkeypatch, capsys, tmp_path):
     recipe = recipe_with(tmp_path)
     recipe.pop("calibration")
@@ -131,12 +119,14 @@ def test_outliers_without_calibration_text(monkeypatch, capsys, tmp_path):
     run_bad(monkeypatch, capsys, tmp_path, recipe, "variant 'o' is fitted on calibration text")
 
 
+@pytest.mark.check
 def test_gguf_export_of_an_rtn_variant_is_refused(monkeypatch, capsys, tmp_path):
     recipe = recipe_with(tmp_path)
     recipe["variants"][0]["exports"] = ["gguf"]
     run_bad(monkeypatch, capsys, tmp_path, recipe, "gguf export needs")
 
 
+@pytest.mark.check
 def test_imatrix_without_calibration_text(monkeypatch, capsys, tmp_path):
     recipe = recipe_with(tmp_path)
     recipe.pop("calibration")
@@ -144,6 +134,7 @@ def test_imatrix_without_calibration_text(monkeypatch, capsys, tmp_path):
     run_bad(monkeypatch, capsys, tmp_path, recipe, "variant 'k' is fitted on calibration text", "calibration")
 
 
+@pytest.mark.check
 def test_gptq_target_pattern_that_matches_no_module(monkeypatch, capsys, tmp_path):
     recipe = recipe_with(tmp_path)
     recipe["variants"] = [{"name": "g", "weights": {"method": "gptq", "bits": 4, "targets": ["*.mlp.gate"]}}]
@@ -151,6 +142,7 @@ def test_gptq_target_pattern_that_matches_no_module(monkeypatch, capsys, tmp_pat
             "e.g. 'model.layers.0.")
 
 
+@pytest.mark.check
 def test_calibration_text_shorter_than_a_window(monkeypatch, capsys, tmp_path):
     recipe = recipe_with(tmp_path)
     short = tmp_path / "short.txt"
@@ -160,12 +152,14 @@ def test_calibration_text_shorter_than_a_window(monkeypatch, capsys, tmp_path):
     run_bad(monkeypatch, capsys, tmp_path, recipe, "short.txt", "shorter than one window of 512 tokens")
 
 
+@pytest.mark.check
 def test_duplicate_variant_names(monkeypatch, capsys, tmp_path):
     recipe = recipe_with(tmp_path)
     recipe["variants"] = recipe["variants"] * 2
     run_bad(monkeypatch, capsys, tmp_path, recipe, "repeated: int8")
 
 
+@pytest.mark.check
 def test_a_matrix_expands_a_variant_template_into_one_variant_per_combination(tmp_path):
     from recipes.schema import load_recipe
 
@@ -182,6 +176,7 @@ def test_a_matrix_expands_a_variant_template_into_one_variant_per_combination(tm
     assert all(v.exports == ["gptq"] for v in variants[:6])
 
 
+@pytest.mark.check
 @pytest.mark.parametrize(
     "matrix, fragment",
     [
@@ -206,22 +201,26 @@ def model_copy(tmp_path) -> Path:
     return dest
 
 
+@pytest.mark.check
 def test_model_folder_without_config(monkeypatch, capsys, tmp_path):
     model = model_copy(tmp_path)
     (model / "config.json").unlink()
     run_bad(monkeypatch, capsys, tmp_path, recipe_with(tmp_path, model=str(model)), "model", "no config.json")
 
 
+@pytest.mark.check
 def test_model_folder_without_weights(monkeypatch, capsys, tmp_path):
     model = model_copy(tmp_path)
     (model / "model.safetensors").unlink()
     run_bad(monkeypatch, capsys, tmp_path, recipe_with(tmp_path, model=str(model)), "no *.safetensors weights")
 
 
+@pytest.mark.check
 def test_missing_model_folder(monkeypatch, capsys, tmp_path):
     run_bad(monkeypatch, capsys, tmp_path, recipe_with(tmp_path, model=str(tmp_path / "absent")), "absent", "not found")
 
 
+@pytest.mark.check
 def test_truncated_safetensors(monkeypatch, capsys, tmp_path):
     model = model_copy(tmp_path)
     data = (model / "model.safetensors").read_bytes()
@@ -229,6 +228,7 @@ def test_truncated_safetensors(monkeypatch, capsys, tmp_path):
     run_bad(monkeypatch, capsys, tmp_path, recipe_with(tmp_path, model=str(model)), "model.safetensors", "truncated")
 
 
+@pytest.mark.check
 def test_nan_weights_leave_no_partial_files(monkeypatch, capsys, tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
@@ -247,6 +247,7 @@ def test_nan_weights_leave_no_partial_files(monkeypatch, capsys, tmp_path):
     assert torch.isnan(tensors["model.layers.3.mlp.up_proj.weight"]).any()
 
 
+@pytest.mark.check
 def test_missing_evaluation_text(monkeypatch, capsys, tmp_path):
     recipe = recipe_with(tmp_path)
     recipe["evaluation"]["text"] = str(tmp_path / "missing.txt")
@@ -299,6 +300,7 @@ def test_console_script_exits_2_without_a_traceback(tmp_path):
     assert proc.stderr.strip().startswith("error: ") and "bad.yaml" in proc.stderr
 
 
+@pytest.mark.check
 def test_usage_errors_exit_2(monkeypatch, capsys):
     code, _, err = quantize(monkeypatch, capsys, "inspect")
     assert code == 2 and "Missing argument" in err and "Traceback" not in err

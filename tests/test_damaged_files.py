@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fuzz_inputs import gguf_slots
-from test_cli import assert_user_error, quantize
+from helpers.fuzz_inputs import gguf_slots
+from helpers.cli import assert_user_error, quantize
 
 
 # ---------------------------------------------------------------- GGUF
@@ -68,6 +68,7 @@ def refused_quickly(monkeypatch, capsys, command: str, path, *fragments: str):
     assert_user_error(result, str(path.name), *fragments)
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("command", ["inspect", "fit"])
 def test_a_huge_metadata_array_length_is_refused_at_once(monkeypatch, capsys, tmp_path, command):
     path = write_gguf(tmp_path / "m.gguf")
@@ -75,6 +76,7 @@ def test_a_huge_metadata_array_length_is_refused_at_once(monkeypatch, capsys, tm
     refused_quickly(monkeypatch, capsys, command, path, "tokenizer.ggml.token_type", "1,099,511,627,776 elements")
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("element_type, fragment", [(8, "claims"), (9, "array of arrays"), (10, "claims"), (77, "not a GGUF value type")])
 def test_a_changed_array_element_type_is_refused_at_once(monkeypatch, capsys, tmp_path, element_type, fragment):
     path = write_gguf(tmp_path / "m.gguf")
@@ -84,11 +86,13 @@ def test_a_changed_array_element_type_is_refused_at_once(monkeypatch, capsys, tm
         refused_quickly(monkeypatch, capsys, command, path, fragment)
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("command", ["inspect", "fit"])
 def test_a_gguf_file_without_tensors_is_refused(monkeypatch, capsys, tmp_path, command):
     refused_quickly(monkeypatch, capsys, command, write_gguf(tmp_path / "m.gguf", tensors=False), "holds no tensors")
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("overrides, fragment", [
     ({"block_count": 0}, "'llama.block_count' is 0"),
     ({"block_count": 2**32 - 1}, "'llama.block_count' is 4294967295"),
@@ -100,6 +104,7 @@ def test_fit_refuses_impossible_hyper_parameters(monkeypatch, capsys, tmp_path, 
     refused_quickly(monkeypatch, capsys, "fit", write_gguf(tmp_path / "m.gguf", **overrides), fragment)
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("label, value, fragment, llama_cpp_refuses", [
     ("tensor 1 offset", 2**20, "output_norm.weight' has data offset 1,048,576", True),  # past the end of the file
     ("tensor 0 dim 1", 17, "output_norm.weight' has data offset 4,096, but the tensors before it end at 4,352", True),
@@ -115,6 +120,7 @@ def test_inspect_refuses_what_llama_cpp_refuses(monkeypatch, capsys, tmp_path, l
     assert llama_cpp_gguf().accepts(path) is not llama_cpp_refuses
 
 
+@pytest.mark.check
 def test_inspect_refuses_a_tensor_whose_data_lies_past_the_end(monkeypatch, capsys, tmp_path):
     path = write_gguf(tmp_path / "m.gguf")
     path.write_bytes(path.read_bytes()[:-100])
@@ -122,7 +128,7 @@ def test_inspect_refuses_a_tensor_whose_data_lies_past_the_end(monkeypatch, caps
 
 
 def llama_cpp_gguf():
-    from fuzz_inputs import LlamaCppGGUF
+    from helpers.fuzz_inputs import LlamaCppGGUF
 
     return LlamaCppGGUF()
 
@@ -217,9 +223,10 @@ SAFETENSORS_DAMAGE = {
 }
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("case", SAFETENSORS_DAMAGE)
 def test_damaged_safetensors_headers_get_one_line(monkeypatch, capsys, tmp_path, small_model, case):
-    from fuzz_inputs import safetensors_accepts
+    from helpers.fuzz_inputs import safetensors_accepts
 
     change, fragment = SAFETENSORS_DAMAGE[case]
     folder = damaged(small_model, tmp_path, change)
@@ -230,6 +237,7 @@ def test_damaged_safetensors_headers_get_one_line(monkeypatch, capsys, tmp_path,
     assert not out.exists()
 
 
+@pytest.mark.check
 def test_a_float_shape_stops_export_before_any_file(monkeypatch, capsys, tmp_path, small_model):
     folder = damaged(small_model, tmp_path, lambda h: _set(h, "shape", [8192, 64.0], lambda h: "model.embed_tokens.weight"))
     assert_user_error(quantize(monkeypatch, capsys, "export", folder, "--gguf", "Q8_0", "-o", tmp_path / "m.gguf"),
@@ -237,6 +245,7 @@ def test_a_float_shape_stops_export_before_any_file(monkeypatch, capsys, tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no .gguf, no Modelfile, no .partial
 
 
+@pytest.mark.check
 def test_an_empty_header_stops_export_before_any_file(monkeypatch, capsys, tmp_path, small_model):
     folder = tmp_path / "model"
     shutil.copytree(small_model, folder)
@@ -259,6 +268,7 @@ def resaved(small_model, tmp_path, change) -> Path:
     return folder
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("change, fragment", [
     (lambda s: s.pop("model.layers.1.mlp.down_proj.weight"), "no tensor 'model.layers.1.mlp.down_proj.weight' in the checkpoint"),
     (lambda s: s.update({"model.layers.1.mlp.down.weight": s.pop("model.layers.1.mlp.down_proj.weight")}),
@@ -277,6 +287,7 @@ def test_export_names_the_tensor_that_disagrees_with_the_config(monkeypatch, cap
     assert not (tmp_path / "m.gguf").exists()
 
 
+@pytest.mark.check
 def test_a_tensor_name_with_a_newline_or_markup_gives_one_line(monkeypatch, capsys, tmp_path, small_model):
     for name, shown in (("bad\nname", "tensor 'bad\\nname'"), ("[/red]x", "tensor '[/red]x'")):
         folder = resaved(small_model, tmp_path / name.replace("/", "_"), lambda s: s.update({name: s["model.norm.weight"].clone()}))

@@ -13,6 +13,8 @@ from runner.engine.llm import LLM
 from runner.engine.sampling import SamplingParams
 from runner.engine.sequence import Sequence
 
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
+
 
 @pytest.fixture(scope="module")
 def tokenizer():

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from runner import LLM, SamplingParams
-from test_engine import prompts_from_text
-from test_engine_quantized import VARIANTS, variants  # noqa: F401  (the module's variant folders, a fixture)
+from helpers.engine import prompts_from_text
+from helpers.engine import VARIANTS, variants  # noqa: F401  (the module's variant folders, a fixture)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 

@@ -10,38 +10,9 @@ import shutil
 import pytest
 import torch
 
-from conftest import BUNDLED, TINY
 from core.errors import InputError
 from runner import LLM, SamplingParams
-from test_engine import prompts_from_text
-
-VARIANTS = {
-    "int8": ({"method": "rtn", "bits": 8}, ["compressed-tensors", "gptq"], "int8"),
-    "int8-asym": ({"method": "rtn", "bits": 8, "symmetric": False}, ["compressed-tensors"], "int8"),
-    "int4-g64": ({"method": "rtn", "bits": 4, "granularity": "group", "group_size": 64}, ["compressed-tensors", "gptq"], "int4"),
-    "int4-g128-asym": ({"method": "rtn", "bits": 4, "symmetric": False, "granularity": "group", "group_size": 128},
-                       ["compressed-tensors", "gptq"], "int4"),
-    "gptq-int4-actorder": ({"method": "gptq", "bits": 4, "group_size": 64, "act_order": True}, ["gptq"], "int4"),
-    "int3-g64": ({"method": "rtn", "bits": 3, "granularity": "group", "group_size": 64}, ["compressed-tensors"],
-                 "dequantized int3-g64-sym"),
-}
-
-
-@pytest.fixture(scope="module")
-def variants(tmp_path_factory):
-    from calib.text import sample_windows
-    from formats.hf import HFCheckpoint, load_tokenizer
-    from recipes.schema import Variant
-    from recipes.variants import build_variant
-
-    out = tmp_path_factory.mktemp("quantized")
-    ckpt = HFCheckpoint.open(TINY)
-    calibration = sample_windows(load_tokenizer(ckpt), BUNDLED / "calib.txt", 128, 8)
-    for name, (weights, exports, _) in VARIANTS.items():
-        variant = Variant.model_validate({"name": name, "weights": weights, "exports": ["safetensors", *exports]})
-        build_variant(ckpt, variant, out, calibration=calibration)
-    return out
-
+from helpers.engine import VARIANTS, prompts_from_text, variants  # noqa: F401  (variants: a fixture)
 
 def expected_kind(kind: str, llm) -> str:
     """What the layers' kind starts with on this machine: on CUDA, int8, and int4 outside bf16,

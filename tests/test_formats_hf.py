@@ -9,6 +9,8 @@ from conftest import TINY
 from core.errors import InputError
 from formats.hf import DenseSafetensorsWriter, HFCheckpoint, is_linear_weight, read_safetensors_header
 
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
+
 
 def copy_model(tmp_path):
     dest = tmp_path / "model"

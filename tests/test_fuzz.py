@@ -1,4 +1,4 @@
-"""The fuzzer of tests/fuzz_inputs.py on a fixed seed and a budget that runs in well under a minute:
+"""The fuzzer of tests/helpers/fuzz_inputs.py on a fixed seed and a budget that runs in well under a minute:
 hundreds of damaged GGUF, safetensors and config.json files through `inspect`, `fit` and `export`,
 under a memory limit and a time limit, with the safetensors library and llama.cpp's GGUF parser as
 oracles. It fails on any traceback, hang, memory error, slow refusal, leftover file, or a process
@@ -11,13 +11,13 @@ import sys
 import uuid
 
 from conftest import REPO
-from test_jobs import tagged_processes
+from helpers.processes import tagged_processes
 
 
 def test_hundreds_of_damaged_files_get_clean_answers(tmp_path):
     tag = uuid.uuid4().hex
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "fuzz_inputs.py"), "--cases", "1500", "--seed", "20261201", "--work", str(tmp_path)],
+        [sys.executable, str(REPO / "tests" / "helpers" / "fuzz_inputs.py"), "--cases", "1500", "--seed", "20261201", "--work", str(tmp_path)],
         capture_output=True, text=True, timeout=600, env={**os.environ, "QUANTBENCH_TEST_TAG": tag},
     )
     failures = [line for line in proc.stdout.splitlines() if line.startswith("FAIL")]

@@ -11,7 +11,7 @@ import torch
 from conftest import BUNDLED, EVAL_TEXT, TINY
 from formats.gguf import _PRE_PATTERNS
 from formats.hf import HFCheckpoint
-from model_zoo import llama_cpp_and_transformers, make_model
+from helpers.model_zoo import llama_cpp_and_transformers, make_model
 from core.errors import InputError
 from recipes.variants import build_variant, gguf_variant
 

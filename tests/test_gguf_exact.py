@@ -6,7 +6,7 @@ importance matrix, both sides get the same one, computed from the bundled calibr
 
 import pytest
 
-ggml_oracle = pytest.importorskip("ggml_oracle")
+ggml_oracle = pytest.importorskip("helpers.ggml_oracle")
 if not ggml_oracle.available():
     pytest.skip("llama-cpp-python is the 'interop' extra (make test installs it)", allow_module_level=True)
 
@@ -19,7 +19,7 @@ from formats.gguf import gguf_name  # noqa: E402
 from formats.hf import HFCheckpoint, load_tokenizer  # noqa: E402
 from recipes.importance import model_imatrix  # noqa: E402
 from recipes.variants import build_variant, gguf_variant  # noqa: E402
-from smollm2 import smollm2_checkpoint  # noqa: E402
+from helpers.smollm2 import smollm2_checkpoint  # noqa: E402
 
 FILE_TYPES_CHECKED = ["Q4_K_M", "Q4_K_S", "Q5_K_M", "Q6_K", "Q8_0", "Q3_K_M", "Q2_K"]
 REF = BUNDLED.parents[2] / "shared" / "models" / "ref"
@@ -27,6 +27,10 @@ REF = BUNDLED.parents[2] / "shared" / "models" / "ref"
 
 def tensors(path):
     return {t.name: (t.tensor_type.name, bytes(t.data)) for t in GGUFReader(path).tensors}
+
+
+# the fast tier (docs/testing.md): one K-quant file, with an importance matrix, byte for byte
+CHECK_CASES = {"test_every_tensor_matches_llama_quantize[tiny-Q4_K_M-imatrix]"}
 
 
 @pytest.fixture(scope="module", params=["tiny", "ref", "smollm2"])

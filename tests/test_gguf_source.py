@@ -58,7 +58,7 @@ def test_a_q8_0_file_converts_to_q4_k_m_as_its_original_does(files, tmp_path):
     the Q8_0 values, and llama.cpp's perplexity is the Q4_K_M of the original's within 0.5%."""
     from gguf import GGUFReader
 
-    from test_quantized_sources import llama_cpp_perplexity
+    from helpers.llama_cpp_scores import llama_cpp_perplexity
 
     converted = build_variant(open_checkpoint(files["Q8_0"]), gguf_variant("Q4_K_M"), tmp_path,
                               gguf_path=tmp_path / "q4.gguf").files[0]
@@ -133,7 +133,7 @@ def _rewrite(src, dst, *, drop: str | None = None, fields: dict | None = None) -
 ])
 def test_a_gguf_file_that_is_not_a_model_quantbench_reads_is_refused_in_one_line(files, tmp_path, monkeypatch, capsys,
                                                                                  change, fragment):
-    from test_cli import quantize
+    from helpers.cli import quantize
 
     bad = tmp_path / "bad.gguf"
     _rewrite(files["F32"], bad, **change)

@@ -8,6 +8,8 @@ from core.schemes import QuantSpec
 from quant.gptq import GPTQSettings, gptq_quantize
 from quant.rtn import fit_grid, grid_values, quantize_rtn, round_to_grid
 
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
+
 
 def _problem(out=48, n_in=96, samples=400, seed=0):
     g = torch.Generator().manual_seed(seed)

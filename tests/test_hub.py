@@ -19,7 +19,7 @@ from rich.console import Console
 from conftest import EVAL_TEXT, REPO, TINY, write_recipe
 from core.errors import InputError
 from formats.hub import HubId, hub_id, local_model, parse_hub_id
-from test_cli import assert_user_error, quantize
+from helpers.cli import assert_user_error, quantize
 
 MAIN = "1" * 40  # the commit refs/main names
 V2 = "2" * 40  # another snapshot, tagged v2

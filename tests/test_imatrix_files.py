@@ -11,7 +11,9 @@ from core.errors import InputError
 from formats.gguf import gguf_name
 from formats.hf import HFCheckpoint
 from formats.imatrix import read_imatrix, write_imatrix
-from test_cli import assert_user_error, quantize
+from helpers.cli import assert_user_error, quantize
+
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
 
 
 TINY_ARCH = HFCheckpoint.open(TINY).arch
@@ -75,7 +77,7 @@ def test_damaged_imatrix_files_are_refused(tmp_path):
 
 
 def test_export_with_an_imatrix_file_matches_llama_quantize(tmp_path, tiny_imatrix, monkeypatch, capsys):
-    oracle = pytest.importorskip("ggml_oracle")
+    oracle = pytest.importorskip("helpers.ggml_oracle")
     if not oracle.available():
         pytest.skip("llama-cpp-python is the 'interop' extra")
     from core.file_types import FILE_TYPES

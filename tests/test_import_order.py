@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
+
 REPO = Path(__file__).resolve().parents[1]
 FLOORS = {"core": 0, "formats": 1, "calib": 2, "quant": 3, "evalsuite": 4, "runner": 4, "recipes": 5, "bench": 6}
 
@@ -63,3 +65,49 @@ def test_the_floors_are_the_readmes():
 @pytest.mark.parametrize("package", sorted(FLOORS))
 def test_every_package_is_a_folder(package):
     assert (REPO / package).is_dir()
+
+
+# ---------------------------------------------------------------- tests/: no test module imports another
+
+TESTS = REPO / "tests"
+
+
+def _test_module_imports(tests: Path = TESTS) -> list[str]:
+    """Every import of a test module (tests/test_*.py) by a test module or a helper, as
+    'file:line imports module'; also pytest.importorskip("test_..."). Shared helpers and fixtures
+    live in tests/conftest.py and tests/helpers/: importing a test module runs its module-level code
+    (fixtures, parametrizations, skips) a second time under another name, and ties one module's
+    tier and collection to another's."""
+    modules = {p.stem for p in tests.glob("test_*.py")}
+    bad = []
+    for path in sorted([*tests.glob("test_*.py"), *tests.glob("helpers/*.py"), tests / "conftest.py"]):
+        if not path.is_file():
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("importorskip", "import_module")
+                  and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                names = [node.args[0].value]
+            for name in names:
+                top = name.split(".")[0]
+                if top in modules or top.startswith("test_") or name.startswith("tests.test_"):
+                    bad.append(f"{path.relative_to(tests.parent)}:{node.lineno} imports {name}")
+    return bad
+
+
+def test_no_test_module_imports_another():
+    assert _test_module_imports() == []
+
+
+def test_the_layout_check_sees_every_form_of_import(tmp_path):
+    (tmp_path / "helpers").mkdir()
+    (tmp_path / "test_a.py").write_text("from test_b import x\n\ndef test_x():\n    import test_b\n")
+    (tmp_path / "test_b.py").write_text("import pytest\nc = pytest.importorskip('test_a')\nfrom helpers.h import y\n")
+    (tmp_path / "helpers" / "h.py").write_text("from test_a import z\n")
+    found = [v.split(":")[0] + ":" + v.split(" imports ")[1] for v in _test_module_imports(tmp_path)]
+    assert sorted(found) == [f"{tmp_path.name}/helpers/h.py:test_a", f"{tmp_path.name}/test_a.py:test_b",
+                             f"{tmp_path.name}/test_a.py:test_b", f"{tmp_path.name}/test_b.py:test_a"]

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, SMALL_RECIPE, TINY, write_recipe
-from test_cli import assert_user_error, quantize
+from helpers.cli import assert_user_error, quantize
+from helpers.processes import tagged_processes
 
 
 def small_recipe(**changes) -> dict:
@@ -147,20 +148,6 @@ with folder_lock(out):
 
 
 # ---------------------------------------------------------------- kill -9 and stray processes
-
-
-def tagged_processes(tag: str) -> list[int]:
-    """Processes whose environment carries QUANTBENCH_TEST_TAG=tag (a killed job's children included)."""
-    needle = f"QUANTBENCH_TEST_TAG={tag}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if needle in (entry / "environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue  # gone, or a zombie
-    return found
 
 
 def children(pid: int) -> list[int]:

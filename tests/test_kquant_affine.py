@@ -17,7 +17,9 @@ from safetensors import safe_open
 
 import quant.ggml.kquant_affine as kq
 from conftest import TINY
-from ggml_oracle import available, ggml_quantize
+from helpers.ggml_oracle import available, ggml_quantize
+
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
 
 ENCODERS = {"Q4_K": kq.Q4_K.quantize, "Q5_K": kq.Q5_K.quantize, "Q2_K": kq.Q2_K.quantize}
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q2_K": 84}

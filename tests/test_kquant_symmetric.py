@@ -17,8 +17,10 @@ from safetensors import safe_open
 
 import quant.ggml.kquant_symmetric as ks
 from conftest import TINY
-from ggml_oracle import available, ggml_quantize
+from helpers.ggml_oracle import available, ggml_quantize
 quantize_q3_k, quantize_q6_k = ks.Q3_K.quantize, ks.Q6_K.quantize
+
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
 
 ENCODERS = {"Q6_K": (quantize_q6_k, 210), "Q3_K": (quantize_q3_k, 110)}
 ROWS, COLS = 96, 1024  # 384 super-blocks per case

@@ -11,6 +11,8 @@ from gguf.quants import dequantize, quantize
 from conftest import TINY
 from quant.kv_cache import KVCacheSpec, fake_quantize_kv, simulated_kv_cache
 
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
+
 
 @pytest.mark.parametrize("fmt, ggml_type", [("int8", GGMLQuantizationType.Q8_0), ("int4", GGMLQuantizationType.Q4_0)])
 def test_integer_caches_are_llama_cpp_blocks_of_32(fmt, ggml_type):

@@ -9,6 +9,8 @@ from calib.text import token_windows
 from conftest import BUNDLED, TINY
 from formats.hf import HFCheckpoint, load_causal_lm, load_tokenizer
 
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
+
 
 def _tiny(windows=4, length=128):
     ckpt = HFCheckpoint.open(TINY)
@@ -54,7 +56,7 @@ def test_input_statistics_are_those_of_the_modules_real_inputs():
 def test_the_walk_gives_the_logits_of_models_whose_layers_differ(tmp_path, name):
     """Gemma's sliding and global layers get their own masks and rope: each layer is called with
     what the model itself passes it (Gemma 3's seven layers: five sliding ones, one global)."""
-    from model_zoo import zoo_model
+    from helpers.model_zoo import zoo_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(zoo_model(tmp_path / "m", name), dtype=torch.float32).eval()

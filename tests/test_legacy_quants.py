@@ -19,7 +19,9 @@ from safetensors import safe_open
 
 import quant.ggml.legacy as legacy
 from conftest import TINY
-from ggml_oracle import available, ggml_quantize
+from helpers.ggml_oracle import available, ggml_quantize
+
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
 
 ENCODERS = {
     "Q4_0": legacy.Q4_0.quantize,

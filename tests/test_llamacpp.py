@@ -91,7 +91,7 @@ def test_gguf_generates_text(small_run):
 
 def test_our_q4_k_m_has_the_perplexity_of_llama_cpps_own(tmp_path, windows):
     """Same bytes, same numbers: our one-step Q4_K_M against llama.cpp's F32 -> quantize path."""
-    from ggml_oracle import llama_quantize_file
+    from helpers.ggml_oracle import llama_quantize_file
 
     from formats.hf import HFCheckpoint
     from core.file_types import FILE_TYPES

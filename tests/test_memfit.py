@@ -15,6 +15,8 @@ from runner.fit.gpus import GIB, catalog, resolve_gpu
 from runner.fit.memfit import ENGINES, FitQuery, fit, kv_bytes_per_sequence, kv_bytes_per_token, weights_bytes
 from runner.fit.model_shape import load_model_shape, preset_names, shape_from_config
 
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
+
 JSON_FIELDS = {"weights_bytes", "kv_bytes_per_token", "kv_bytes_total", "total_bytes", "fits", "max_users", "max_context",
                "decode_tokens_per_s_max"}
 

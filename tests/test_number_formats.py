@@ -11,6 +11,8 @@ from formats.hf import HFCheckpoint
 from quant.rtn import quantize_rtn, round_to_grid
 from recipes.schema import load_recipe
 
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
+
 REAL_WEIGHT = "model.layers.2.mlp.down_proj.weight"  # [256, 768], bf16
 
 

@@ -15,6 +15,8 @@ from formats.hf import HFCheckpoint, load_tokenizer
 from quant.outliers import OutlierRule, channel_statistics, input_abs_max, mixed_precision_model, mixed_precision_rtn
 from quant.rtn import quantize_rtn
 
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
+
 SPEC = QuantSpec(4, False, "group", 64)
 
 

@@ -179,6 +179,7 @@ def test_targets_and_ignore_choose_the_modules_rtn_and_awq_quantize(tmp_path):
         assert (levels <= 16) == (".mlp." in name), name  # the attention weights are scaled, not quantized
 
 
+@pytest.mark.check
 def test_rerun_keeps_finished_variants_and_redoes_what_changed(tmp_path, monkeypatch):
     """A rerun into the same folder rebuilds only variants whose recipe entry changed or whose
     files are gone, against the original's distributions kept from the first run; with nothing to

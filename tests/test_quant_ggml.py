@@ -6,6 +6,8 @@ from core.errors import InputError
 from core.file_types import tensor_types
 from quant.ggml import encode
 
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
+
 
 def test_float_and_q8_0_files_keep_norms_in_f32():
     from formats.architecture import from_config

@@ -4,7 +4,6 @@ that of the dequantized source within what the conversion must lose."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import numpy as np
@@ -15,6 +14,7 @@ from conftest import BUNDLED, EVAL_TEXT, REPO, TINY
 from formats.hf import HFCheckpoint, load_tokenizer
 from formats.quantized_checkpoint import QuantizedCheckpoint
 from formats.sources import open_checkpoint
+from helpers.llama_cpp_scores import llama_cpp_added_kld, llama_cpp_perplexity
 from recipes.schema import Variant
 from recipes.variants import build_variant, gguf_variant
 
@@ -62,37 +62,6 @@ def test_a_quantized_folder_reads_as_the_weights_it_was_written_from(sources, la
         assert torch.equal(source.tensor(name), expected), name
     assert len(source.quantized) == 7 * 6
     assert 4 < source.bits_per_weight < 11  # codes, scales and zero-points; embeddings in float16
-
-
-def llama_cpp_log_probs(path, tokens: list[int], window: int = 256):
-    """llama.cpp's next-token log-probabilities over each whole window of ``tokens`` (a fresh cache
-    per window), with the tokens they predict."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is the 'interop' extra")
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=window, logits_all=True, verbose=False, n_threads=2)
-    for start in range(0, len(tokens) - window + 1, window):
-        ids = tokens[start : start + window]
-        llm.reset()
-        llm.eval(ids)
-        logits = torch.tensor(np.asarray(llm.scores[: window - 1]), dtype=torch.float64)
-        yield logits.log_softmax(-1), torch.tensor(ids[1:])
-
-
-def llama_cpp_perplexity(path, tokens: list[int], window: int = 256) -> float:
-    nll, count = 0.0, 0
-    for log_probs, targets in llama_cpp_log_probs(path, tokens, window):
-        nll -= log_probs[torch.arange(len(targets)), targets].sum().item()
-        count += len(targets)
-    return math.exp(nll / count)
-
-
-def llama_cpp_added_kld(source, converted, tokens: list[int], window: int = 256) -> float:
-    """Mean KL divergence of the converted file's next-token distribution from the source file's,
-    both run by llama.cpp: what the conversion alone adds."""
-    total, count = 0.0, 0
-    for (p, _), (q, _) in zip(llama_cpp_log_probs(source, tokens, window), llama_cpp_log_probs(converted, tokens, window)):
-        total += (p.exp() * (p - q)).sum().item()
-        count += len(p)
-    return total / count
 
 
 @pytest.mark.parametrize("layout", FOUR_BIT)
@@ -188,7 +157,7 @@ def test_a_recipe_takes_a_quantized_checkpoint_as_its_model(sources, tmp_path):
 def test_quantize_export_converts_a_gptq_folder(sources, tmp_path, monkeypatch, capsys):
     from gguf import GGUFReader
 
-    from test_cli import quantize
+    from helpers.cli import quantize
 
     code, out, err = quantize(monkeypatch, capsys, "export", sources / "gptq" / "gptq", "--gguf", "Q4_K_M",
                               "-o", tmp_path / "m.gguf")
@@ -298,8 +267,15 @@ def test_a_bitsandbytes_source_converts_to_gguf_within_one_percent_of_its_perple
     assert abs(ppl[target] / ppl["F32"] - 1) < 0.01
 
 
+# torch's threads and seeds pinned (GPTQMODEL_CPU_WORKERS=2 below sizes GPTQModel's own pool): the
+# same file on every run of one machine. Another CPU still writes another file (its bfloat16
+# kernels change the calibration activations, hence the Hessians and the rounding): what the tests
+# below assert of it must not depend on which file.
 GPTQMODEL_QUANTIZE = r"""
-import json, sys, torch
+import json, random, sys, torch
+torch.set_num_threads(2)
+torch.manual_seed(0)
+random.seed(0)
 from gptqmodel import GPTQModel, QuantizeConfig
 from transformers import AutoTokenizer
 source, dest, text, settings = sys.argv[1], sys.argv[2], open(sys.argv[3]).read(), json.loads(sys.argv[4])
@@ -324,14 +300,15 @@ def gptqmodel_source(request, tmp_path_factory):
     import os
     import subprocess
 
-    from test_gptq_awq_exports import GPTQMODEL
+    from helpers.gptqmodel import GPTQMODEL
 
     if not GPTQMODEL.exists():
         pytest.skip("GPTQModel's venv: bench/anchors/setup.sh gptqmodel (make test runs it)")
     folder = tmp_path_factory.mktemp("gptqmodel") / "gptqmodel"
     run = subprocess.run([str(GPTQMODEL), "-c", GPTQMODEL_QUANTIZE, str(TINY), str(folder / "gptq"), str(BUNDLED / "calib.txt"),
                           json.dumps(GPTQMODEL_SETTINGS[request.param])],
-                         capture_output=True, text=True, env=os.environ | {"GPTQMODEL_CPU_WORKERS": "2"})
+                         capture_output=True, text=True, env=os.environ | {"GPTQMODEL_CPU_WORKERS": "2", "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2",
+                                               "PYTHONHASHSEED": "0"})
     assert run.returncode == 0, run.stderr[-2000:]
     source = open_checkpoint(folder / "gptq")
     build_variant(source, Variant.model_validate({"name": "gptqmodel", "weights": {"method": "none"}, "exports": ["safetensors"]}),
@@ -339,8 +316,9 @@ def gptqmodel_source(request, tmp_path_factory):
     return request.param, folder
 
 
+@pytest.mark.anchor
 def test_a_gptq_file_gptqmodel_wrote_reads_as_gptqmodel_reads_it(gptqmodel_source):
-    from test_gptq_awq_exports import assert_read_back_exactly, read_back
+    from helpers.gptqmodel import assert_read_back_exactly, read_back
 
     settings, folder = gptqmodel_source
     source = open_checkpoint(folder / "gptq")
@@ -351,30 +329,64 @@ def test_a_gptq_file_gptqmodel_wrote_reads_as_gptqmodel_reads_it(gptqmodel_sourc
     assert_read_back_exactly(read_back(folder, "gptq"))
 
 
+@pytest.mark.anchor
 def test_a_gptq_file_gptqmodel_wrote_converts_to_q4_k_m_as_closely_as_its_grid_allows(gptqmodel_source, tmp_path):
     """Over the whole evaluation text (128 windows; 8 windows swing by half a percent). GPTQModel's
-    default groups are contiguous: carried into Q4_K, within 1% of the source. Act-order groups
-    mix within Q4_K's sub-blocks, so those weights are rounded again, as a float model's are: the
-    conversion costs less than the float original loses to Q4_K_M (on 2026-12-03, AMD EPYC: default
-    +0.20%; act-order +1.31% against the original's +1.55%; another machine's act-order file, +0.89%)."""
+    default groups are contiguous: carried into Q4_K, within 1% of the source. Act-order groups mix
+    within Q4_K's sub-blocks, so no grid can be kept: the file must convert to exactly the Q4_K_M of
+    its dequantized weights as a float checkpoint, byte for byte (what is guaranteed, on any machine).
+
+    What that costs in perplexity is not ours to bound tightly: it depends on the file GPTQModel
+    wrote, which differs by CPU even with threads and seeds pinned (act-order: +1.31% on an AMD EPYC
+    on 2026-12-03, +0.89% on another machine, +1.67% on a fresh clone's run on 2026-12-04, against
+    the float original's +1.55% on the same text; the test once asserted "less than the
+    original's", which the +1.67% file broke). Only a gross-failure guard is kept: more than nothing, and under twice
+    what the float original loses (rounding 4-bit weights again costs about what rounding float
+    ones does: 0.57 to 1.08 times it so far)."""
     settings, folder = gptqmodel_source
     source = open_checkpoint(folder / "gptq")
     tokens = load_tokenizer(source)(EVAL_TEXT.read_text(), add_special_tokens=False)["input_ids"]
 
-    def perplexities(ckpt, name):
-        files = [build_variant(ckpt, gguf_variant(t), tmp_path, gguf_path=tmp_path / f"{name}-{t}.gguf").files[0]
-                 for t in ("F32", "Q4_K_M")]
-        return [llama_cpp_perplexity(f, tokens) for f in files]
+    def convert(ckpt, name):
+        return [build_variant(ckpt, gguf_variant(t), tmp_path, gguf_path=tmp_path / f"{name}-{t}.gguf").files[0]
+                for t in ("F32", "Q4_K_M")]
 
-    dequantized, converted = perplexities(source, "source")
+    files = convert(source, "source")
+    dequantized, converted = (llama_cpp_perplexity(f, tokens) for f in files)
     print(f"GPTQModel's gptq ({settings}): dequantized source {dequantized:.3f}, Q4_K_M {converted:.3f} "
           f"({converted / dequantized - 1:+.2%})")
     if settings == "default":
         assert abs(converted / dequantized - 1) < 0.01
-    else:
-        original, original_q4 = perplexities(HFCheckpoint.open(TINY), "original")
-        print(f"the float original: {original:.3f}, Q4_K_M {original_q4:.3f} ({original_q4 / original - 1:+.2%})")
-        assert 0 < converted / dequantized - 1 < original_q4 / original - 1
+        return
+    # folder/safetensors: our dequantized reading of the file, float32 (equal to GPTQModel's own)
+    _, requantized = convert(HFCheckpoint.open(folder / "safetensors"), "dequantized")
+    assert same_tensors(files[1], requantized)
+    original, original_q4 = (llama_cpp_perplexity(f, tokens) for f in convert(HFCheckpoint.open(TINY), "original"))
+    print(f"the float original: {original:.3f}, Q4_K_M {original_q4:.3f} ({original_q4 / original - 1:+.2%})")
+    assert 0 < converted / dequantized - 1 < 2 * (original_q4 / original - 1)
+
+
+def same_tensors(a, b) -> bool:
+    """Two GGUF files hold the same tensors: names, types, shapes and bytes (metadata aside)."""
+    from gguf import GGUFReader
+
+    def tensors(path):
+        return {t.name: (t.tensor_type, tuple(t.shape), bytes(np.asarray(t.data).view(np.uint8)))
+                for t in GGUFReader(path).tensors}
+
+    return tensors(a) == tensors(b)
+
+
+def test_an_act_order_file_converts_to_the_q4_k_m_of_its_dequantized_weights(sources, tmp_path):
+    """The guarantee the GPTQModel test above rests on, on our own act-order file (no anchor venv
+    needed): its groups cannot keep their grid, so its Q4_K_M is that of its dequantized weights
+    written as a float checkpoint, byte for byte."""
+    source = open_checkpoint(source_folder(sources, "gptq"))
+    build_variant(source, Variant.model_validate({"name": "dequantized", "weights": {"method": "none"},
+                                                  "exports": ["safetensors"]}), tmp_path)
+    a, b = (build_variant(ckpt, gguf_variant("Q4_K_M"), tmp_path, gguf_path=tmp_path / f"{name}.gguf").files[0]
+            for name, ckpt in (("source", source), ("dense", HFCheckpoint.open(tmp_path / "dequantized" / "safetensors"))))
+    assert same_tensors(a, b)
 
 
 LLMCOMPRESSOR = REPO / ".anchors" / "llmcompressor" / "bin" / "python"
@@ -404,6 +416,7 @@ def llmcompressor_source(tmp_path_factory):
     return folder
 
 
+@pytest.mark.anchor
 def test_a_compressed_tensors_folder_llm_compressor_wrote_reads_as_compressed_tensors_dequantizes_it(llmcompressor_source):
     from safetensors.torch import load_file
 
@@ -416,6 +429,7 @@ def test_a_compressed_tensors_folder_llm_compressor_wrote_reads_as_compressed_te
         assert torch.equal(source.tensor(name), dense[name].float()), name
 
 
+@pytest.mark.anchor
 def test_a_compressed_tensors_folder_llm_compressor_wrote_converts_to_q4_k_m_within_one_percent(llmcompressor_source, tmp_path):
     """Its groups of 128 are carried into Q4_K's sub-blocks of 32, so the conversion adds less than
     quantizing compressed-tensors' dequantization again."""

@@ -20,7 +20,7 @@ import pytest
 from rich.console import Console
 
 from conftest import BUNDLED, EVAL_TEXT, TINY, write_recipe
-from test_cli import assert_user_error, quantize
+from helpers.cli import assert_user_error, quantize
 
 GPTQ = "gptq-int4-g64"  # the slowest variant: the one whose worker is killed
 SIX = {

@@ -9,6 +9,8 @@ from evalsuite.recommend import Budget, pareto_front, recommend
 from evalsuite.report import VariantRow
 from recipes.schema import load_recipe
 
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
+
 
 def row(name, size, ppl, kld, top1, acc, tok_s=None):
     speed = {"runner": "engine", "output_tokens_per_s": tok_s} if tok_s else None

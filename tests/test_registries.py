@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import typing
 
+import pytest
+
 from formats.quantized_folder import QuantizedFolderWriter
 from formats.registry import ENGINE_EXPORTS, FORMATS, QUANT_METHODS, in_writing_order, is_folder
 from recipes.methods import METHODS
 from recipes.schema import Variant
+
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
 
 
 def test_the_recipe_exports_are_the_registered_formats():

@@ -1,5 +1,5 @@
 """The report page as a reader sees it: opened in a real headless browser (Debian's chromium via
-Playwright, see tests/browser.py), with no errors, nothing fetched from outside, one mark per
+Playwright, see tests/helpers/browser.py), with no errors, nothing fetched from outside, one mark per
 variant and no label over another label or a mark, even when variants crowd together. The new
 charts (one task's accuracy, a per-Linear error heat map) are checked the same way on a page of
 their own, and without a browser as XML.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from browser import BrowserMissing, check_page, launch, overlaps
+from helpers.browser import BrowserMissing, check_page, launch, overlaps
 from evalsuite import chart
 from evalsuite.chart import heatmap_svg, size_fidelity_svg, speed_fidelity_svg, task_accuracy_svg
 from evalsuite.metrics import Scores
@@ -120,6 +120,7 @@ def _assert_readable(c) -> None:
 
 # --- in the browser -------------------------------------------------------------------------------
 
+@pytest.mark.anchor  # Debian's chromium
 def test_the_report_page_renders_cleanly_with_crowded_variants(browser, tmp_path):
     rows = _rows()
     report = Report(model="synthetic/crowded", eval_text="eval.txt", windows=2, window=128, rows=rows)
@@ -139,6 +140,7 @@ def test_the_report_page_renders_cleanly_with_crowded_variants(browser, tmp_path
     _keep(check.screenshot)
 
 
+@pytest.mark.anchor  # Debian's chromium
 def test_the_new_charts_render_cleanly(browser, tmp_path):
     rows = _rows()
     errors = _errors()
@@ -165,6 +167,7 @@ def test_the_new_charts_render_cleanly(browser, tmp_path):
     _keep(check.screenshot)
 
 
+@pytest.mark.anchor  # Debian's chromium
 def test_the_check_itself_sees_errors_and_outside_requests(browser, tmp_path):
     """A page that breaks every rule, so a clean result above means something."""
     page = tmp_path / "bad.html"
@@ -180,6 +183,7 @@ def test_the_check_itself_sees_errors_and_outside_requests(browser, tmp_path):
 
 # --- without a browser ----------------------------------------------------------------------------
 
+@pytest.mark.check
 def test_task_accuracy_chart_has_a_dot_and_whisker_per_variant():
     root = ET.fromstring(task_accuracy_svg("arc <easy>", TASK_POINTS, chance=0.25))
     assert (root.get("class"), root.get("data-chart"), root.get("data-task")) == ("chart", "task-accuracy", "arc <easy>")
@@ -199,6 +203,7 @@ def test_task_accuracy_chart_has_a_dot_and_whisker_per_variant():
     assert task_accuracy_svg("t", []).startswith("<p>")
 
 
+@pytest.mark.check
 def test_heatmap_has_a_cell_per_module_coloured_by_its_error():
     errors = _errors()
     root = ET.fromstring(heatmap_svg("int4 <g128>", errors, "relative output error"))
@@ -227,6 +232,7 @@ def _luminance(colour: str) -> float:
     return 0.2126 * r + 0.7152 * g + 0.0722 * b
 
 
+@pytest.mark.check
 def test_the_front_is_filled_and_the_rest_hollow():
     rows = _rows()
     front = frozenset(pareto_front(rows))
@@ -242,6 +248,7 @@ def test_the_front_is_filled_and_the_rest_hollow():
     assert plain.find(f"{SVG}g[@class='legend']") is None
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("seed", range(40))
 def test_labels_never_overlap_on_estimated_boxes(seed):
     """Random crowds (tight clusters, duplicates, long names, KLDs of zero), checked on the boxes the
@@ -275,6 +282,7 @@ def _hit(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
     return a[0] < b[0] + b[2] and b[0] < a[0] + a[2] and a[1] < b[1] + b[3] and b[1] < a[1] + a[3]
 
 
+@pytest.mark.check
 def test_names_are_escaped_and_the_charts_stay_free_of_scripts_and_links():
     for svg in (size_fidelity_svg(_rows(), frozenset(pareto_front(_rows()))), speed_fidelity_svg(_rows()),
                 task_accuracy_svg("t", TASK_POINTS, 0.5), heatmap_svg("v", _errors(), "m")):

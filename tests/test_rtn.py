@@ -5,6 +5,8 @@ from core.errors import InputError
 from core.schemes import QuantSpec
 from quant.rtn import quantize_rtn
 
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
+
 
 def heavy_tailed(out: int = 64, n_in: int = 256, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)

@@ -16,6 +16,8 @@ import pytest
 from conftest import TINY
 from runner import LLM, SamplingParams
 
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
+
 KEY = "test-key"
 NAME = "tiny"
 
@@ -313,6 +315,6 @@ def test_quantize_serve_starts_answers_and_stops_on_ctrl_c(tmp_path):
     (["serve", str(TINY), "--chat-template", "/no/such.jinja", "--port", "1"], "/no/such.jinja"),
 ])
 def test_quantize_serve_refuses_bad_options_in_one_line(monkeypatch, capsys, args, fragment):
-    from test_cli import assert_user_error, quantize
+    from helpers.cli import assert_user_error, quantize
 
     assert_user_error(quantize(monkeypatch, capsys, *args), fragment)

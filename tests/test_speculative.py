@@ -15,7 +15,7 @@ from conftest import TINY
 from core.errors import InputError
 from runner import LLM, SamplingParams
 from runner.engine.speculative import NgramProposer, SpeculativeConfig
-from test_engine import prompts_from_text, random_model
+from helpers.engine import prompts_from_text, random_model
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +197,7 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
 def test_bench_with_speculative_reports_acceptance_and_speedup(monkeypatch, capsys):
     import json
 
-    from test_cli import quantize
+    from helpers.cli import quantize
 
     code, out, err = quantize(monkeypatch, capsys, "bench", TINY, "--requests", "2", "--concurrency", "1", "--prompt-tokens",
                               "40", "--output-tokens", "12", "--speculative", "ngram,k=3", "--kv-memory", "16MiB", "--json")

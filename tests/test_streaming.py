@@ -13,6 +13,8 @@ from formats.hf import HFCheckpoint, load_causal_lm
 from quant.gptq import GPTQSettings, gptq_quantize
 from quant.gptq_model import gptq_model
 
+pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
+
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=512, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0,
              tie_word_embeddings=False, initializer_range=0.2)

@@ -126,10 +126,11 @@ def test_a_missing_task_fails_the_recipe_in_one_line(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.anchor  # Debian's chromium
 def test_the_real_report_reads_in_a_browser(task_run):
     """The run's report.html in headless chromium: clean console, self-contained, one mark per
     variant on the size chart and per model on each task chart; the screenshot is kept."""
-    from browser import check_page, overlaps
+    from helpers.browser import check_page, overlaps
 
     results = Path(__file__).parent.parent / "test-results"
     results.mkdir(exist_ok=True)

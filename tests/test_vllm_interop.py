@@ -15,7 +15,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 VLLM = REPO / ".anchors" / "vllm" / "bin" / "python"
 
-pytestmark = pytest.mark.skipif(not VLLM.exists(), reason="vLLM's CPU build is not set up: bash bench/anchors/setup.sh vllm")
+pytestmark = [pytest.mark.anchor,
+              pytest.mark.skipif(not VLLM.exists(), reason="vLLM's CPU build is not set up: bash bench/anchors/setup.sh vllm")]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ process. A case fails on:
   accepted (the differential oracles; llama.cpp's is used where llama-cpp-python is installed);
 - and, once all cases have run, any child process still alive.
 
-Run it long, as the README says: ``python tests/fuzz_inputs.py --cases 5000 --seed 1``. It prints one
+Run it long, as the README says: ``python tests/helpers/fuzz_inputs.py --cases 5000 --seed 1``. It prints one
 line per failure (the case's seed and mutation, to replay it with ``--only``) and a JSON summary
 on the last line; the exit status is 1 if any case failed. tests/test_fuzz.py runs a short
 budget of it in the suite.
@@ -41,7 +41,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 EDGE_INTS = [0, 1, 2, 3, 4, 7, 8, 9, 12, 13, 31, 32, 63, 64, 255, 256, 2**15, 2**16 - 1, 2**31 - 1, 2**31, 2**32 - 1,
