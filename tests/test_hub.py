@@ -88,6 +88,7 @@ def runs(tmp_path_factory) -> dict:
             "local": json.loads((folder / "local" / "report.json").read_text())}
 
 
+@pytest.mark.check  # the fast tier (docs/testing.md)
 def test_ids_are_shaped_org_name_at_revision():
     assert parse_hub_id("org/name") == HubId("org/name")
     assert parse_hub_id("Org-1/name.v2_x@refs/pr/1") == HubId("Org-1/name.v2_x", "refs/pr/1")
@@ -106,6 +107,7 @@ def test_a_recipe_runs_from_an_id_with_the_scores_of_the_local_folder(runs):
     assert (runs["out"] / "q8_0" / "tiny-Q8_0.gguf").is_file()
 
 
+@pytest.mark.check  # the fast tier (docs/testing.md)
 def test_a_revision_picks_its_snapshot(cache):
     main = cached(cache, "org/tiny", MAIN, sorted(TINY.iterdir()))
     v2 = cached(cache, "org/tiny", V2, [TINY / "config.json"], ref="v2")
@@ -114,6 +116,7 @@ def test_a_revision_picks_its_snapshot(cache):
     assert local_model(f"org/tiny@{MAIN}") == main
 
 
+@pytest.mark.check  # the fast tier (docs/testing.md)
 def test_a_missing_id_offline_is_one_line_naming_it_and_the_cache(cache, monkeypatch, capsys, tmp_path):
     recipe = write_recipe(tmp_path, RECIPE | {"model": "org/missing"})
     assert_user_error(quantize(monkeypatch, capsys, recipe, "--out", tmp_path / "out"), "org/missing", str(cache), "offline")
@@ -163,6 +166,7 @@ def test_every_failure_online_is_one_line_naming_the_id(monkeypatch, tmp_path, e
     assert str(caught.value).startswith("org/x@v9: ") and "\n" not in str(caught.value)
 
 
+@pytest.mark.check  # the fast tier (docs/testing.md)
 def test_fit_needs_only_the_config_in_the_cache(cache, monkeypatch, capsys):
     cached(cache, "org/tiny", MAIN, [TINY / "config.json"])
     code, out, err = quantize(monkeypatch, capsys, "fit", "org/tiny", "--json")
@@ -173,6 +177,7 @@ def test_fit_needs_only_the_config_in_the_cache(cache, monkeypatch, capsys):
     assert by_id["model"] == "org/tiny" and by_id["parameters"] == local["parameters"] > 0
 
 
+@pytest.mark.check  # the fast tier (docs/testing.md)
 def test_an_existing_path_shaped_like_an_id_is_a_path(cache, monkeypatch, capsys, tmp_path):
     """The cache is empty and offline: only the local folder can answer."""
     folder = tmp_path / "org" / "tiny"
@@ -237,6 +242,7 @@ def test_the_card_changes_no_size_and_a_rerun_rebuilds_nothing(runs):
         assert "README.md" not in f["path"] and f["bytes"] == path_size(out / f["path"])
 
 
+@pytest.mark.check  # the fast tier (docs/testing.md)
 def test_no_module_puts_the_process_offline_on_import():
     """Setting HF_HUB_OFFLINE at import would stop every later download in the process (a model id,
     formats/hub.py): only code that runs (a function, a script's main block) may set it."""

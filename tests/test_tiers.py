@@ -22,6 +22,9 @@ SUBSYSTEMS = {
     "the server under the openai client": ("test_server", "test_a_completion_is_what_the_engine_computes"),
     "damaged GGUF files refused in one line": ("test_damaged_files", "test_inspect_refuses_what_llama_cpp_refuses"),
     "damaged safetensors headers refused in one line": ("test_damaged_files", "test_damaged_safetensors_headers_get_one_line"),
+    "a Hugging Face id from a cache the test writes": ("test_hub", "test_a_missing_id_offline_is_one_line_naming_it_and_the_cache"),
+    "the packages' import floors": ("test_import_order", "test_packages_import_only_lower_floors"),
+    "the export formats' and weight methods' registries": ("test_registries", "test_the_recipe_exports_are_the_registered_formats"),
 }
 
 
