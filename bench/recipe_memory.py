@@ -1,20 +1,20 @@
 """Peak memory of a whole recipe job on a model of Llama-3-8B's shape: GPTQ W4 g128, Q4_K_M with
 an importance matrix, and the evaluation of the original and both variants.
 
-Makes a synthetic checkpoint of Llama-3-8B's shape (hidden 4096, FFN 14336, 32 query / 8
-key-value heads, vocab 128256, untied head; random bf16 weights, the bundled tokenizer) cut to N
-decoder layers, and runs `run_recipe` on it in a child process that samples its own RSS and its
-worker processes' every 50 ms, attributing each sample to the job's current stage (the progress
-bar's newest task). It samples proportional set sizes (PSS), which count a page that a forked
-encoder worker shares with the job once, not twice as summed RSS would; they include the pages of
-the checkpoint's files that reading a tensor maps in, which the kernel may drop at will, so the
-anonymous share (what the job itself allocated) is printed beside. The job's own peak RSS
-(ru_maxrss) is printed too. The job streams every model layer by layer (calibration, quantization,
-evaluation), so a stage's peak is one layer's working set, the windows' hidden states, the
-embedding or head, and a chunk of logits, whatever N is: the job runs at 1 and at N layers, and
-each stage's peak is extrapolated linearly to 32 layers from the two (a growth per layer, if any,
-is printed). Target: below 8 GiB for the whole recipe at 32 layers. Baseline for scale: the
-8B model in float32, what loading it whole for evaluation takes.
+Makes a synthetic checkpoint of Llama-3-8B's shape (hidden 4096, FFN 14336, 32 query / 8 key-value
+heads, vocab 128256, untied head; random bf16 weights, the bundled tokenizer) cut to N decoder
+layers, and runs `run_recipe` on it in a child process that samples its own RSS and its worker
+processes' every 50 ms, attributing each sample to the job's current stage (the progress bar's
+newest task; between tasks, "after" the one that ended last). It samples proportional set sizes
+(PSS), which count a page that a forked encoder worker shares with the job once, not twice as
+summed RSS would; they include the pages of the checkpoint's files that reading a tensor maps in,
+which the kernel may drop at will, so the anonymous share (what the job itself allocated) is
+printed beside. The job's own peak RSS (ru_maxrss) is printed too. The job streams every model
+layer by layer (calibration, quantization, evaluation), so a stage's peak is one layer's working
+set, the windows' hidden states, the embedding or head, and a chunk of logits, whatever N is: the
+job runs at 1 and at N layers, and each stage's peak is extrapolated linearly to 32 layers from the
+two (a growth per layer, if any, is printed). Target: below 8 GiB for the whole recipe at 32
+layers. Baseline for scale: the 8B model in float32, what loading it whole for evaluation takes.
 
 ``--shape 1b`` runs a synthetic model of Llama-3.2-1B's shape (hidden 2048, FFN 8192, 16 layers,
 vocab 128256, tied) whole, end to end, with its peak RSS: no extrapolation.
@@ -72,9 +72,10 @@ class Staged(Progress):
         current[0] = description
         return task
     def remove_task(self, task):
+        done = next(d for t, d in live if t == task)
         super().remove_task(task)
         live[:] = [(t, d) for t, d in live if t != task]
-        current[0] = live[-1][1] if live else "between stages"
+        current[0] = live[-1][1] if live else f"after {done}"
 
 def pss_kib(pid):
     try:

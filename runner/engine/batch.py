@@ -1,8 +1,10 @@
 """A step's flat batch, laid out for the model: every scheduled token's id, position and cache
 slot, the decode and prefill attention batches, and the rows whose logits are sampled.
 
-A sequence verifying draft tokens (speculative decoding) runs them after its own last token, as a
-chunk, and has every one of those rows sampled: the target's next-token distribution after each.
+A sequence verifying draft tokens (speculative decoding) runs them after its own last token, and
+has every one of those rows sampled: the target's next-token distribution after each. Chunks of up
+to ``decode_rows`` tokens (one; with speculation, a verify step's last token and guesses) attend as
+decode rows, by blocks as a decode token does; longer ones (prompts) as prefill chunks.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from runner.engine.model import DecodeBatch, PrefillBatch, Step
 from runner.engine.sequence import Sequence
 
 
-def layout(scheduled: list[tuple[Sequence, int]], bs: int, dev: torch.device) -> tuple[Step, list[Sequence]]:
+def layout(scheduled: list[tuple[Sequence, int]], bs: int, dev: torch.device,
+           decode_rows: int = 1) -> tuple[Step, list[Sequence]]:
     """``scheduled``: (sequence, tokens to compute, its draft tokens included); returns the step
     and the sequences sampled in it (those whose computed tokens reach their end), in row order."""
     tokens, positions, owners, tables = [], [], [], []
@@ -26,7 +29,10 @@ def layout(scheduled: list[tuple[Sequence, int]], bs: int, dev: torch.device) ->
         positions += range(seq.num_computed, seq.num_computed + n)
         owners += [i] * n
         tables.append(seq.block_table)
-        (decode if n == 1 else prefill).append((i, start, seq.num_computed + n))
+        if n <= decode_rows:
+            decode.append((i, start, seq.num_computed + n, n))
+        else:
+            prefill.append((i, start, seq.num_computed + n))
         if seq.num_computed + own == seq.num_tokens:
             sample_rows += range(len(tokens) - 1 - len(drafts), len(tokens))
             sampled.append(seq)
@@ -41,17 +47,21 @@ def layout(scheduled: list[tuple[Sequence, int]], bs: int, dev: torch.device) ->
     return step, sampled
 
 
-def _decode_batch(decode: list[tuple[int, int, int]], table: torch.Tensor, bs: int, dev) -> DecodeBatch | None:
-    """The blocks every decoding sequence reads: all of its table up to its length."""
+def _decode_batch(decode: list[tuple[int, int, int, int]], table: torch.Tensor, bs: int, dev) -> DecodeBatch | None:
+    """The blocks every decoding sequence reads (all of its table up to its length), and its rows,
+    as many per sequence as the most any has (a sequence with fewer repeats its last)."""
     if not decode:
         return None
-    seq_index = torch.tensor([d[0] for d in decode], dtype=torch.long, device=dev)
-    length = torch.tensor([d[2] for d in decode], dtype=torch.long, device=dev)
-    counts = -(-length // bs)
+    seq_index, start, end, n = torch.tensor(decode, dtype=torch.long, device=dev).T
+    m = max(d[3] for d in decode)
+    offsets = torch.minimum(torch.arange(m, device=dev)[None, :], n[:, None] - 1)
+    counts = -(-end // bs)
     owner = torch.repeat_interleave(torch.arange(len(decode), device=dev), counts)
     within = torch.arange(owner.numel(), device=dev) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-    return DecodeBatch(rows=torch.tensor([d[1] for d in decode], dtype=torch.long, device=dev),
-                       ids=table[seq_index[owner], within], owner=owner, first=within * bs, length=length)
+    padded = any(d[3] < m for d in decode)
+    return DecodeBatch(rows=start[:, None] + offsets, valid=torch.arange(m, device=dev) < n[:, None] if padded else None,
+                       ids=table[seq_index[owner], within], owner=owner, first=within * bs,
+                       length=(end - n)[:, None] + offsets + 1)
 
 
 def _prefill_batch(prefill: list[tuple[int, int, int]], scheduled, table: torch.Tensor, bs: int, dev) -> PrefillBatch | None:

@@ -91,6 +91,7 @@ class Engine:
         self.peak_blocks = 0
         self.spec_proposed = self.spec_accepted = 0
         spec = config.speculative
+        self._decode_rows = 1 if spec is None else 1 + spec.num_tokens  # a verify step's rows attend as decode rows
         self.proposer = None if spec is None else NgramProposer(spec) if spec.method == "ngram" else \
             DraftProposer(spec, arch, dtype, self.device, num_blocks * config.block_size
                           + config.max_num_seqs * (spec.num_tokens + config.block_size), config.block_size)
@@ -138,7 +139,7 @@ class Engine:
         now = time.perf_counter()
         for seq, _ in scheduled:
             seq.first_scheduled = seq.first_scheduled or now
-        step, sampled = layout(scheduled, self.config.block_size, self.device)
+        step, sampled = layout(scheduled, self.config.block_size, self.device, self._decode_rows)
         logits = self.model.forward(step, self.pool)
         for seq, n in scheduled:
             seq.num_computed += n - len(seq.draft_ids)  # guesses' keys count once accepted (below)

@@ -6,13 +6,14 @@ A step's tokens, from every scheduled sequence, run through each layer together 
 ``[tokens, hidden]`` matrix; only attention looks at which sequence a token belongs to, and it
 reads keys and values through the sequences' block tables:
 
-- decode tokens (one new token of a sequence) attend block by block: the blocks of all decoding
-  sequences are gathered into one batch, scored against their sequence's query, and a softmax
-  across each sequence's blocks (a segment max and sum by scatter) combines them, so sequences of
-  different lengths run together without padding to the longest (only a last block is partly
-  empty);
-- prefill chunks (several new tokens of a sequence) attend to the sequence's cached keys and to
-  each other in one masked attention over the chunks of the step, causal within each sequence.
+- decode rows (a sequence's one new token, or the few a speculative step verifies) attend block by
+  block: the blocks of all decoding sequences are gathered into one batch, each scored against
+  all of its sequence's queries at once, and a softmax across each sequence's blocks (a segment
+  max and sum by scatter) combines them, so sequences of different lengths run together without
+  padding to the longest (only a last block is partly empty), and a verify step's rows go through
+  the kernels of a decode step's;
+- prefill chunks (a prompt's tokens) attend to the sequence's cached keys and to each other in one
+  masked attention over the chunks of the step, causal within each sequence.
 
 No Python loop over sequences runs inside a layer. Norms and softmax are computed in float32, the
 rest in the weights' dtype, as transformers does.
@@ -39,28 +40,32 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approxim
 
 @dataclass
 class DecodeBatch:
-    """The step's decoding sequences, as blocks: ``rows`` are their tokens' rows in the step;
-    block ``i`` (``ids[i]``) belongs to decoding sequence ``owner[i]`` and holds keys at positions
-    ``first[i] .. first[i] + block_size - 1``, of which those below ``length[owner[i]]`` exist."""
+    """The step's decoding sequences, as blocks: sequence ``j`` has ``m`` query rows, step rows
+    ``rows[j]``, of which ``valid[j]`` are real (None: all are; a sequence with fewer rows repeats
+    its last); block ``i`` (``ids[i]``) belongs to sequence ``owner[i]`` and holds keys at positions
+    ``first[i] .. first[i] + block_size - 1``, of which query row ``r`` sees those below
+    ``length[owner[i], r]`` (causal within a sequence's rows)."""
 
-    rows: torch.Tensor
+    rows: torch.Tensor  # [sequences, m]
+    valid: torch.Tensor | None  # [sequences, m]
     ids: torch.Tensor
     owner: torch.Tensor
     first: torch.Tensor
-    length: torch.Tensor  # per decoding sequence: its keys, the new one included
+    length: torch.Tensor  # [sequences, m]: the keys each row sees, its own included
     _per_window: dict = field(default_factory=dict, repr=False)
 
     def scores_bias(self, window: int | None, block_size: int, kv: int, groups: int, dtype: torch.dtype) -> torch.Tensor:
-        """What every layer with this ``window`` adds to its scores, [blocks * kv, groups, block_size]:
-        0 where the block's key exists and is in the window, -inf elsewhere. Made once a step."""
+        """What every layer with this ``window`` adds to its scores, [blocks * kv, m * groups, block_size]:
+        0 where the block's key exists for the row and is in its window, -inf elsewhere. Made once a step."""
         if window not in self._per_window:
-            pos = self.first[:, None] + torch.arange(block_size, device=self.ids.device)
-            last = self.length[self.owner][:, None] - 1
+            pos = (self.first[:, None] + torch.arange(block_size, device=self.ids.device))[:, None, :]
+            last = torch.index_select(self.length, 0, self.owner)[..., None] - 1  # [blocks, m, 1]
             hidden = pos > last
             if window is not None:
                 hidden |= pos <= last - window
             bias = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, float("-inf"))
-            self._per_window[window] = bias[:, None, None, :].expand(-1, kv, groups, -1).reshape(-1, groups, block_size)
+            m = self.length.shape[1]
+            self._per_window[window] = bias[:, None, :, None, :].expand(-1, kv, m, groups, -1).reshape(-1, m * groups, block_size)
         return self._per_window[window]
 
 
@@ -183,19 +188,26 @@ class DecoderModel:
         if a.embedding_scale != 1.0:
             x = x * self.embed_scale
         rotary = {rope: self._rotary(step.positions, inv) for rope, inv in self.inv_freq.items()}
-        only_decode = step.prefill is None  # then the decode rows are the step's rows, in order
+        d = step.decode
+        in_order = step.prefill is None and d.valid is None  # then the decode rows are the step's rows, in order
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, self._norm(x, layer["attn_norm"]), rotary[a.rope_of(index)])
             pool.write(index, step.slots, k, v)
             q = pool.queries(q)
             window = a.windows[index]
-            if only_decode:
-                out = self._decode_attention(q, pool, index, step.decode, window)
+            if in_order:
+                out = self._decode_attention(q, pool, index, d, window)
             else:
                 out = torch.empty(q.shape[0], a.heads, a.value_dim, dtype=torch.float32, device=x.device)
-                if step.decode is not None:
-                    out[step.decode.rows] = self._decode_attention(q[step.decode.rows], pool, index, step.decode, window)
-                out[step.prefill.rows[step.prefill.valid]] = self._prefill_attention(q, pool, index, step.prefill, window)
+                if d is not None:
+                    rows = d.rows.flatten()
+                    attended = self._decode_attention(torch.index_select(q, 0, rows), pool, index, d, window)
+                    if d.valid is None:
+                        out[rows] = attended
+                    else:
+                        out[d.rows[d.valid]] = attended[d.valid.flatten()]
+                if step.prefill is not None:
+                    out[step.prefill.rows[step.prefill.valid]] = self._prefill_attention(q, pool, index, step.prefill, window)
             attended = layer["o"][0](pool.outputs(out).to(x.dtype).flatten(1))
             x = x + (self._norm(attended, layer["attn_post"]) if a.post_norms else attended)
             gate, up = _outputs(layer["gate_up"], self._norm(x, layer["mlp_norm"]), self._gate_up)
@@ -235,26 +247,35 @@ class DecoderModel:
         return _rotate(q, *rotary), _rotate(k, *rotary), v.view(-1, kv, a.value_dim)
 
     def _decode_attention(self, q: torch.Tensor, pool: KVPool, layer: int, d: DecodeBatch, window: int | None) -> torch.Tensor:
+        """The decode rows' outputs, [sequences * m, heads, value_dim], from their queries in ``rows`` order."""
         a, bs = self.arch, pool.block_size
         kv, groups = a.kv_heads[0], a.heads // a.kv_heads[0]
+        n, m = d.length.shape
+        width = m * groups  # the queries each block is scored against, per key-value head
         keys, values = pool.blocks(layer, d.ids)  # [blocks, kv, bs, dim], as the pool lays them out
-        nb, n = d.ids.numel(), d.length.numel()
+        nb = d.ids.numel()
+        rows = q.view(n, m, kv, groups, a.head_dim)
+        if m > 1:
+            rows = rows.transpose(1, 2)  # a sequence's rows side by side under each key-value head
         # rows picked by index_select: at a step's hundreds of blocks, several times as fast as q[owner]
-        qb = torch.index_select(q.view(-1, kv, groups, a.head_dim), 0, d.owner)  # [blocks, kv, groups, dim]
+        qb = torch.index_select(rows.reshape(n, kv, width, a.head_dim), 0, d.owner)  # [blocks, kv, m * groups, dim]
         bias = d.scores_bias(window, bs, kv, groups, keys.dtype)
-        q_rows, k_rows = qb.view(nb * kv, groups, a.head_dim), keys.view(nb * kv, bs, a.head_dim).transpose(1, 2)
+        q_rows, k_rows = qb.view(nb * kv, width, a.head_dim), keys.view(nb * kv, bs, a.head_dim).transpose(1, 2)
         if a.attn_softcap:  # capped before the mask is added
             scores = _softcap(torch.bmm(q_rows, k_rows).float() * self.scale, a.attn_softcap) + bias.float()
         else:
             scores = torch.baddbmm(bias, q_rows, k_rows, alpha=self.scale)
-        scores = scores.view(nb, kv, groups, bs).float()
-        index = d.owner.view(-1, 1, 1).expand(-1, kv, groups)
-        top = torch.full((n, kv, groups), float("-inf"), device=q.device).scatter_reduce_(0, index, scores.amax(-1), "amax")
+        scores = scores.view(nb, kv, width, bs).float()
+        index = d.owner.view(-1, 1, 1).expand(-1, kv, width)
+        top = torch.full((n, kv, width), float("-inf"), device=q.device).scatter_reduce_(0, index, scores.amax(-1), "amax")
         weights = torch.exp(scores - torch.index_select(top, 0, d.owner)[..., None])
         total = torch.zeros_like(top).index_add_(0, d.owner, weights.sum(-1))
-        weighted = torch.bmm(weights.to(values.dtype).view(nb * kv, groups, bs), values.view(nb * kv, bs, a.value_dim))
-        out = torch.zeros(n, kv, groups, a.value_dim, device=q.device).index_add_(0, d.owner, weighted.view(nb, kv, groups, -1).float())
-        return (out / total[..., None]).view(n, a.heads, a.value_dim)
+        weighted = torch.bmm(weights.to(values.dtype).view(nb * kv, width, bs), values.view(nb * kv, bs, a.value_dim))
+        out = torch.zeros(n, kv, width, a.value_dim, device=q.device).index_add_(0, d.owner, weighted.view(nb, kv, width, -1).float())
+        out = (out / total[..., None]).view(n, kv, m, groups, a.value_dim)
+        if m > 1:
+            out = out.transpose(1, 2)
+        return out.reshape(n * m, a.heads, a.value_dim)
 
     def _prefill_attention(self, q: torch.Tensor, pool: KVPool, layer: int, p: PrefillBatch, window: int | None) -> torch.Tensor:
         """The chunks' outputs, [real chunk tokens, heads, value_dim], in ``rows[valid]`` order."""

@@ -112,7 +112,7 @@ class DraftProposer:
             if not active:
                 break
             step, _ = layout([(mirrors[i], mirrors[i].num_tokens - mirrors[i].num_computed) for i in active],
-                             self.block_size, self.device)
+                             self.block_size, self.device, 1 + self.config.num_tokens)
             logits = self.model.forward(step, self.pool)
             for row, i in enumerate(active):
                 m, seq = mirrors[i], seqs[i]
