@@ -6,7 +6,6 @@ tokenizer's files, a ``label`` and ``bits_per_weight`` for a report."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Union
 
 from formats.gguf_file import is_gguf_file

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from core.architecture import RUNS_IN_ENGINE, Architecture, Rope
+from core.architecture import RUNS_IN_ENGINE, Rope
 from core.errors import InputError
 from core.rope import llama3_bands
 from formats.hf import HFCheckpoint
