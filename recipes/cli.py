@@ -189,7 +189,9 @@ _TOKENS = typer.Option(2048, "--max-num-batched-tokens", help="Most tokens in on
 _KV_MEMORY = typer.Option(None, "--kv-memory", help="KV pool: bytes (e.g. 2GiB, 512MiB) or a share of free memory (e.g. 0.3; default 0.5, capped at what --max-num-seqs sequences fill).")
 _MAX_LEN = typer.Option(None, "--max-model-len", help="Longest sequence, prompt and output (default: the model's context).")
 _SPEC = typer.Option(None, "--speculative", help="Guess tokens and verify them in one step: ngram (prompt lookup), or "
-                     "draft=DIR (a smaller model with the same tokenizer); ',k=N' guesses per step (default 4).")
+                     "draft=DIR (a smaller model with the same tokenizer, or a recipe's variant folder of this one), or "
+                     "self=int4 (this model with its layers' weights rounded to 4 bits in memory; int2-int8); "
+                     "',k=N' guesses per step (default 4).")
 _PREFIX = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching",
                        help="Share the KV blocks of prompts' common starts between requests.")
 

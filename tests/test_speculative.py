@@ -55,7 +55,7 @@ def run(prompts, params, **engine):
     return outs, e
 
 
-@pytest.mark.parametrize("speculative", ["self", "other", "ngram", "ngram,k=8"])
+@pytest.mark.parametrize("speculative", ["self", "other", "ngram", "ngram,k=8", "self=int4", "self=int3,k=3"])
 def test_greedy_output_is_plain_decodings_token_for_token(draft, speculative):
     spec = {"self": f"draft={TINY}", "other": f"draft={draft}"}.get(speculative, speculative)
     prompts = prompts_from_text([3, 17, 40, 1, 64, 9, 25, 90])
@@ -68,6 +68,39 @@ def test_greedy_output_is_plain_decodings_token_for_token(draft, speculative):
     assert engine.spec_proposed > 0
     if speculative == "self":  # the target guessing for itself: every guess is right
         assert engine.spec_accepted == engine.spec_proposed
+    if speculative.startswith("self="):  # its own rounded copy: most guesses right, not all
+        assert 0.3 * engine.spec_proposed < engine.spec_accepted < engine.spec_proposed
+
+
+def test_self_speculation_drafts_on_low_bit_kernels_and_shares_the_rest():
+    """``self=int4``: the draft's layers run on the int4 kernel, its embedding, head and final norm
+    are the target's own tensors; its blocks are all free after the run."""
+    from runner.engine.linear import Int4Linear
+
+    llm = LLM(TINY, dtype="fp32", kv_memory=32 * 2**20, max_num_seqs=4, speculative="self=int4")
+    llm.generate(prompts_from_text([5, 30]), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    draft, target = llm.engine.proposer.model, llm.engine.model
+    assert all(isinstance(layer[name][0], Int4Linear) for layer in draft.layers for name in ("qkv", "o", "gate_up", "down"))
+    assert not isinstance(target.layers[0]["qkv"][0], Int4Linear)
+    assert draft.embed is target.embed and draft.lm_head is target.lm_head and draft.norm is target.norm
+    assert llm.engine.proposer.blocks.num_free == llm.engine.proposer.blocks.num_blocks
+
+
+def test_a_recipe_variant_of_the_same_model_drafts(tmp_path):
+    """``draft=DIR`` takes a recipe's variant folder (its compressed-tensors export) of the target."""
+    from formats.hf import HFCheckpoint
+    from recipes.schema import Variant
+    from recipes.variants import build_variant
+
+    variant = Variant.model_validate({"name": "w4", "weights": {"method": "rtn", "bits": 4, "granularity": "group",
+                                                                 "group_size": 32}, "exports": ["compressed-tensors"]})
+    build_variant(HFCheckpoint.open(TINY), variant, tmp_path)
+    prompts = prompts_from_text([3, 40])
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    plain, _ = run(prompts, params)
+    ours, engine = run(prompts, params, speculative=f"draft={tmp_path / 'w4'}")
+    assert [o.token_ids for o in ours] == [o.token_ids for o in plain]
+    assert 0 < engine.spec_accepted < engine.spec_proposed
 
 
 def test_guesses_under_preemption_change_no_token():
@@ -160,6 +193,14 @@ def test_sampled_output_with_a_draft_is_distributed_as_the_targets(near_draft):
     assert wrong > 10 * chi_square_bound(wrong_dof)  # the test can tell: the draft's own distribution is far off
 
 
+def test_sampled_output_with_a_self_draft_is_distributed_as_the_targets():
+    prompt, params, n = prompts_from_text([12])[0], SamplingParams(temperature=1.0, top_k=4), 3000
+    counts, engine = sampled_pairs(prompt, params, "self=int3", n)
+    assert engine.spec_proposed >= n and 0 < engine.spec_accepted < engine.spec_proposed
+    stat, dof = chi_square(counts, joint_distribution(TINY, prompt, params), n)
+    assert stat < chi_square_bound(dof), (stat, dof)
+
+
 def test_sampled_output_with_ngram_guesses_is_distributed_as_the_targets():
     """A lookup's guess is a point mass: kept with probability p(guess), else the draw excludes it."""
     prompt, params, n = prompts_from_text([12])[0], SamplingParams(temperature=1.0, top_k=20), 3000
@@ -180,8 +221,8 @@ def test_ngram_lookup_takes_what_followed_the_latest_match():
 
 
 @pytest.mark.parametrize("text, fragment", [
-    ("medusa", "ngram, or draft=DIR"), ("ngram,k=0", "k=N"), ("draft=", "ngram, or draft=DIR"),
-    ("draft=/no/such/model", "/no/such/model"),
+    ("medusa", "ngram, draft=DIR"), ("ngram,k=0", "k=N"), ("draft=", "ngram, draft=DIR"),
+    ("draft=/no/such/model", "/no/such/model"), ("self=int9", "self=intB"), ("self=nf4", "self=intB"),
 ])
 def test_bad_speculative_options_get_one_line(text, fragment):
     with pytest.raises(InputError, match=fragment.replace("=", "=").replace(".", r"\.")):

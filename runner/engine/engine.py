@@ -93,7 +93,7 @@ class Engine:
         spec = config.speculative
         self._decode_rows = 1 if spec is None else 1 + spec.num_tokens  # a verify step's rows attend as decode rows
         self.proposer = None if spec is None else NgramProposer(spec) if spec.method == "ngram" else \
-            DraftProposer(spec, arch, dtype, self.device, num_blocks * config.block_size
+            DraftProposer(spec, self.model, self.ckpt, num_blocks * config.block_size
                           + config.max_num_seqs * (spec.num_tokens + config.block_size), config.block_size)
 
     def _dtype(self, name: str, option: str) -> torch.dtype:

@@ -2,9 +2,12 @@
 them all in one step, and the longest run it agrees with is kept, plus one token of its own.
 
 Proposers:
-- ``draft=DIR``: a smaller model with the same tokenizer, run by the same forward pass on a KV cache
-  of its own. Each round it first catches up on the tokens it has not seen (the target's last
-  accepted ones), then decodes its guesses one step at a time, all sequences batched.
+- ``draft=DIR``: a smaller model with the same tokenizer (or a recipe's variant folder of the same
+  model), run by the same forward pass on a KV cache of its own. Each round it first catches up on
+  the tokens it has not seen (the target's last accepted ones), then decodes its guesses one step
+  at a time, all sequences batched.
+- ``self=int4`` (or ``int3``...): the same, with the target itself as the draft, its decoder layers'
+  Linear weights rounded to that many bits in memory (``self_draft.py``).
 - ``ngram``: prompt lookup. The sequence's last n tokens (n from ``prompt_lookup_max`` down to
   ``prompt_lookup_min``) are looked up earlier in its own tokens; the tokens that followed there
   are the guess. No model: free, and right when the output quotes its prompt.
@@ -31,22 +34,25 @@ from runner.engine.checkpoint import open_model
 from runner.engine.kv_cache import KVPool, float_cache
 from runner.engine.model import DecoderModel
 from runner.engine.sampling import SamplingParams, probabilities
+from runner.engine.self_draft import LowBitView, share_unrounded
 from runner.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """``method``: "draft" (with ``draft_model``) or "ngram"; ``num_tokens``: guesses per step."""
+    """``method``: "draft" (with ``draft_model``), "self" (with ``draft_bits``) or "ngram";
+    ``num_tokens``: guesses per step."""
 
     method: str
     draft_model: Path | None = None
+    draft_bits: int | None = None
     num_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
 
     @staticmethod
     def parse(text: str) -> "SpeculativeConfig":
-        """``--speculative``: ``ngram`` or ``draft=DIR``, each optionally ``,k=N`` (guesses per step)."""
+        """``--speculative``: ``ngram``, ``draft=DIR`` or ``self=intB``, each optionally ``,k=N`` (guesses per step)."""
         head, *options = text.split(",")
         k = 4
         for option in options:
@@ -58,7 +64,11 @@ class SpeculativeConfig:
             return SpeculativeConfig("ngram", num_tokens=k)
         if head.startswith("draft=") and len(head) > 6:
             return SpeculativeConfig("draft", Path(head[6:]), num_tokens=k)
-        raise InputError(f"--speculative {text}: ngram, or draft=DIR (a smaller model with the same tokenizer)")
+        bits = head.removeprefix("self=int")
+        if head.startswith("self=int") and bits.isdigit() and 2 <= int(bits) <= 8:
+            return SpeculativeConfig("self", draft_bits=int(bits), num_tokens=k)
+        raise InputError(f"--speculative {text}: ngram, draft=DIR (a smaller model with the same tokenizer), "
+                         f"or self=intB (the model itself with B-bit weights, B from 2 to 8)")
 
 
 class NgramProposer:
@@ -88,16 +98,20 @@ class NgramProposer:
 class DraftProposer:
     """A draft model's guesses, with the KV cache it keeps per sequence between rounds."""
 
-    def __init__(self, config: SpeculativeConfig, target_arch, dtype: torch.dtype, device: torch.device, tokens: int,
-                 block_size: int):
-        ckpt = open_model(config.draft_model)
-        if ckpt.arch.vocab != target_arch.vocab:
-            raise InputError(f"--speculative draft={config.draft_model}: a vocabulary of {ckpt.arch.vocab} tokens; "
-                             f"the target's has {target_arch.vocab} (the draft needs the target's tokenizer)")
+    def __init__(self, config: SpeculativeConfig, target: DecoderModel, target_ckpt, tokens: int, block_size: int):
+        dtype, device = target.dtype, target.device
+        if config.method == "self":
+            self.model = DecoderModel(LowBitView(target_ckpt, config.draft_bits), dtype, device)
+            share_unrounded(self.model, target)
+        else:
+            ckpt = open_model(config.draft_model)
+            if ckpt.arch.vocab != target.arch.vocab:
+                raise InputError(f"--speculative draft={config.draft_model}: a vocabulary of {ckpt.arch.vocab} tokens; "
+                                 f"the target's has {target.arch.vocab} (the draft needs the target's tokenizer)")
+            self.model = DecoderModel(ckpt, dtype, device)
         self.config, self.device, self.block_size = config, device, block_size
-        self.model = DecoderModel(ckpt, dtype, device)
         num_blocks = -(-tokens // block_size)
-        self.pool = KVPool(ckpt.arch, num_blocks, block_size, float_cache(dtype), dtype, device)
+        self.pool = KVPool(self.model.arch, num_blocks, block_size, float_cache(dtype), dtype, device)
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=False)
         self._state: dict[int, Sequence] = {}  # the draft's own copy of each target sequence
 
