@@ -7,13 +7,14 @@ import shutil
 
 import pytest
 import torch
-
-from conftest import BUNDLED, EVAL_TEXT, TINY
 from gguf import TokenType
 
+from conftest import BUNDLED, EVAL_TEXT, TINY
+
 from formats.gguf import _PRE_PATTERNS
-from formats.hf import HFCheckpoint
+from formats.hf import HFCheckpoint, load_tokenizer
 from formats.sentencepiece_json import read_sentencepiece_json
+from formats.sources import open_checkpoint
 from helpers.model_zoo import ZOO, llama_cpp_and_transformers, make_model
 from core.errors import InputError
 from recipes.variants import build_variant, gguf_variant
@@ -226,6 +227,8 @@ def test_tokenizer_json_sentencepiece_bpe_tokenizes_like_transformers(json_only_
     assert hf.convert_tokens_to_ids("<0xF0>") in hf_ids  # the emoji took the byte fallback
     gemma = "gemma" in json_only_folder.name
     assert llm.detokenize(hf_ids[1:]).decode() == ("" if gemma else " ") + text
+    # transformers reads the file's tokenizer back (the GGUF as a source) as the same tokenizer
+    assert load_tokenizer(open_checkpoint(path))(text)["input_ids"] == hf_ids
 
     fields = read_gguf_header(path).fields
     assert fields["tokenizer.ggml.model"] == "llama" and fields["tokenizer.ggml.add_space_prefix"] is (not gemma)
