@@ -303,7 +303,37 @@ def test_tokenizer_json_pieces_are_scored_by_merge_and_typed(tmp_path):
     ):
         with pytest.raises(InputError, match=f"^{path}: {message}"):
             read_sentencepiece_json(_tiny_tokenizer_json(norm, pre), path)
+    split = {**metaspace, "split": True}  # harmless while no piece holds "▁" past its start
+    assert read_sentencepiece_json(_tiny_tokenizer_json(None, split), path).add_dummy_prefix
+    tok = _tiny_tokenizer_json(None, split)
+    tok["model"]["vocab"]["c\u2581"] = len(tok["model"]["vocab"])
+    with pytest.raises(InputError, match="Metaspace splits words apart but pieces hold '▁' inside"):
+        read_sentencepiece_json(tok, path)
     tok = _tiny_tokenizer_json(None, metaspace)
     del tok["model"]["vocab"]["<0x41>"]
     with pytest.raises(InputError, match="byte fallback needs the 256 pieces <0x00>..<0xFF>; the vocabulary has 255"):
         read_sentencepiece_json(tok, path)
+
+
+def test_tokenizer_json_converted_from_sentencepiece_gives_the_tokenizer_models_vocabulary(llama2_folder, tmp_path):
+    """The tokenizer.json transformers converts from a SentencePiece model, exported without the
+    tokenizer.model: the same pieces and types as the tokenizer.model's export, scores in the same
+    order, and llama.cpp's tokens equal to transformers'."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from formats.gguf_file import read_gguf_header
+
+    json_only = tmp_path / "json-only"
+    shutil.copytree(llama2_folder, json_only)
+    (json_only / "tokenizer.model").unlink()
+    from_model, _ = _export_and_load(llama2_folder, tmp_path / "model", vocab_only=True)
+    from_json, llm = _export_and_load(json_only, tmp_path / "json", vocab_only=True)
+    a, b = read_gguf_header(from_model).fields, read_gguf_header(from_json).fields
+    assert list(a["tokenizer.ggml.tokens"]) == list(b["tokenizer.ggml.tokens"])
+    assert list(a["tokenizer.ggml.token_type"]) == list(b["tokenizer.ggml.token_type"])
+    normal = np.asarray(a["tokenizer.ggml.token_type"]) == TokenType.NORMAL
+    rank_a, rank_b = (np.argsort(-np.asarray(f["tokenizer.ggml.scores"])[normal], kind="stable") for f in (a, b))
+    assert normal.sum() > 2500 and (rank_a == rank_b).all()
+    text = EVAL_TEXT.read_text() + TRICKY_TEXT
+    assert _llama_cpp_ids(llm, text) == AutoTokenizer.from_pretrained(json_only)(text)["input_ids"]
