@@ -26,7 +26,8 @@ from formats.hf import HFCheckpoint
 from formats.hub import model_name
 from formats.modelfile import modelfile_name, write_modelfile
 from formats.outputs import Outputs
-from formats.sentencepiece_model import read_sentencepiece
+from formats.sentencepiece_json import is_sentencepiece_bpe, read_sentencepiece_json
+from formats.sentencepiece_model import SentencePieceModel, read_sentencepiece
 
 
 _LAYER_NAMES = {
@@ -275,7 +276,8 @@ def llama3_divisors(rope: Rope) -> np.ndarray:
 
 def _add_tokenizer(writer: GGUFWriter, ckpt: HFCheckpoint, carried: dict[str, tuple[object, tuple]]) -> None:
     """Embed the tokenizer as llama.cpp's converter does: SentencePiece when the checkpoint has a
-    tokenizer.model (Llama-2, Mistral v0.1), else the byte-level BPE of tokenizer.json; a GGUF
+    tokenizer.model (Llama-2, Mistral v0.1) or a tokenizer.json BPE with byte fallback (the same
+    tokenizers as transformers 5 saves them), else the byte-level BPE of tokenizer.json; a GGUF
     source's own tokenizer metadata (``carried``), as it is."""
     if carried:
         for key, (value, types) in carried.items():
@@ -288,7 +290,11 @@ def _add_tokenizer(writer: GGUFWriter, ckpt: HFCheckpoint, carried: dict[str, tu
     tok = ckpt.side_file("tokenizer.json")
     tok_cfg = ckpt.tokenizer_config
     if (ckpt.path / "tokenizer.model").is_file():
-        vocab = _add_sentencepiece_vocab(writer, ckpt, tok, tok_cfg)
+        spm_path = ckpt.path / "tokenizer.model"
+        vocab = _add_sentencepiece_vocab(writer, ckpt, tok, tok_cfg, read_sentencepiece(spm_path), spm_path)
+    elif is_sentencepiece_bpe(tok):
+        spm = read_sentencepiece_json(tok, json_path, _token_text(tok_cfg.get("unk_token")))
+        vocab = _add_sentencepiece_vocab(writer, ckpt, tok, tok_cfg, spm, json_path)
     elif tok:
         vocab = _add_bpe_vocab(writer, ckpt, tok, json_path)
     else:
@@ -296,9 +302,7 @@ def _add_tokenizer(writer: GGUFWriter, ckpt: HFCheckpoint, carried: dict[str, tu
 
     for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
                      ("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id)):
-        token = tok_cfg.get(f"{key}_token")
-        if isinstance(token, dict):
-            token = token.get("content")
+        token = _token_text(tok_cfg.get(f"{key}_token"))
         if token is not None and token in vocab:
             add(vocab[token])
         elif isinstance(ckpt.config.get(f"{key}_token_id"), int):
@@ -312,13 +316,18 @@ def _add_tokenizer(writer: GGUFWriter, ckpt: HFCheckpoint, carried: dict[str, tu
         writer.add_chat_template(template)
 
 
+def _token_text(token: object) -> str | None:
+    """A special token of tokenizer_config.json: its text, written plainly or as an AddedToken."""
+    return token.get("content") if isinstance(token, dict) else token if isinstance(token, str) else None
+
+
 def _add_bpe_vocab(writer: GGUFWriter, ckpt: HFCheckpoint, tok: dict, path: Path) -> dict[str, int]:
     """A byte-level BPE vocabulary with its merges and pre-tokenizer preset; returns text -> id."""
     model = tok.get("model", {})
-    if model.get("type") != "BPE" or model.get("byte_fallback"):
+    if model.get("type") != "BPE":
         raise InputError(
-            f"{path}: only byte-level BPE tokenizers (or a SentencePiece tokenizer.model) are supported "
-            f"for GGUF export (this is {model.get('type')}{' with byte fallback' if model.get('byte_fallback') else ''})"
+            f"{path}: only BPE tokenizers (byte-level, or SentencePiece-style with byte fallback) and SentencePiece "
+            f"tokenizer.model files are supported for GGUF export (this is {model.get('type')})"
         )
     pre_name = _pre_tokenizer_name(tok.get("pre_tokenizer") or {}, path)
     vocab: dict[str, int] = dict(model["vocab"])
@@ -342,16 +351,17 @@ def _add_bpe_vocab(writer: GGUFWriter, ckpt: HFCheckpoint, tok: dict, path: Path
     return vocab
 
 
-def _add_sentencepiece_vocab(writer: GGUFWriter, ckpt: HFCheckpoint, tok: dict, tok_cfg: dict) -> dict[str, int]:
-    """A SentencePiece vocabulary: pieces with the scores llama.cpp merges by and their kinds, then
-    the tokens the HF tokenizer adds on top (tokenizer.json, tokenizer_config.json,
+def _add_sentencepiece_vocab(writer: GGUFWriter, ckpt: HFCheckpoint, tok: dict, tok_cfg: dict,
+                             spm: SentencePieceModel, path: Path) -> dict[str, int]:
+    """A SentencePiece vocabulary (read from ``path``: tokenizer.model, or tokenizer.json through
+    formats/sentencepiece_json.py): pieces with the scores llama.cpp merges by and their kinds,
+    then the tokens the HF tokenizer adds on top (tokenizer.json, tokenizer_config.json,
     added_tokens.json); returns text -> id.
 
     Unlike llama.cpp's converter, user-defined pieces stay user-defined: SentencePiece and
-    transformers always cut them out whole, and llama.cpp does so only for that type.
+    transformers always cut them out whole, and llama.cpp does so only for that type; and the
+    unknown piece stays unknown, as SentencePiece types it.
     """
-    path = ckpt.path / "tokenizer.model"
-    spm = read_sentencepiece(path)
     if spm.model_type != "bpe":
         raise InputError(f"{path}: SentencePiece {spm.model_type} models are not supported for GGUF export (BPE only)")
     n_vocab = ckpt.arch.vocab
@@ -369,6 +379,8 @@ def _add_sentencepiece_vocab(writer: GGUFWriter, ckpt: HFCheckpoint, tok: dict, 
     for i, t in sorted(added.items()):
         if i >= n_vocab:
             raise InputError(f"{ckpt.path}: added token {t['content']!r} has id {i}, beyond vocab_size {n_vocab}")
+        if types[i] == int(TokenType.UNKNOWN) and tokens[i] == t["content"]:
+            continue
         special = bool(t.get("special"))
         tokens[i] = t["content"] if special else t["content"].replace("\u2581", " ")
         scores[i] = -1000.0

@@ -7,11 +7,15 @@ import shutil
 
 import pytest
 import torch
+from gguf import TokenType
 
 from conftest import BUNDLED, EVAL_TEXT, TINY
+
 from formats.gguf import _PRE_PATTERNS
-from formats.hf import HFCheckpoint
-from helpers.model_zoo import llama_cpp_and_transformers, make_model
+from formats.hf import HFCheckpoint, load_tokenizer
+from formats.sentencepiece_json import read_sentencepiece_json
+from formats.sources import open_checkpoint
+from helpers.model_zoo import ZOO, llama_cpp_and_transformers, make_model
 from core.errors import InputError
 from recipes.variants import build_variant, gguf_variant
 
@@ -175,3 +179,161 @@ def test_corrupt_sentencepiece_model_is_refused(tmp_path):
     with pytest.raises(InputError, match=r"tokenizer.model: not a SentencePiece model"):
         build_variant(HFCheckpoint.open(folder), gguf_variant("Q8_0"), tmp_path)
     assert not list(tmp_path.glob("**/*.gguf*"))
+
+
+# ---------------------------------------------------------------- tokenizer.json alone (transformers 5)
+
+
+def _export_and_load(folder, tmp_path, vocab_only: bool = False):
+    import llama_cpp
+
+    path = build_variant(HFCheckpoint.open(folder), gguf_variant("Q8_0"), tmp_path, gguf_path=tmp_path / "m.gguf").files[0]
+    return path, llama_cpp.Llama(model_path=str(path), vocab_only=vocab_only, n_ctx=64, verbose=False)
+
+
+def _llama_cpp_ids(llm, text: str) -> list[int]:
+    return llm.tokenize(text.encode(), add_bos=llm.metadata["tokenizer.ggml.add_bos_token"] == "true", special=True)
+
+
+@pytest.fixture(scope="module", params=["llama2", "gemma3"])
+def json_only_folder(request, tmp_path_factory):
+    """A Llama-2- or Gemma-3-shaped random model whose tokenizer is a byte-fallback BPE trained
+    here, saved by transformers' LlamaTokenizer / GemmaTokenizer: tokenizer.json, no tokenizer.model."""
+    from helpers.spm_tokenizers import save_sentencepiece_bpe
+
+    folder = tmp_path_factory.mktemp(request.param)
+    style, model_type, extra = {"llama2": ("llama", "llama", {}), "gemma3": ("gemma", *ZOO["gemma3"])}[request.param]
+    ids = save_sentencepiece_bpe(folder, style, vocab_size=3000)
+    make_model(folder, model_type, tokenizer_from=None, **{**extra, "vocab_size": 3000, "pad_token_id": 0,
+               "bos_token_id": ids.get("<s>", ids.get("<bos>")), "eos_token_id": ids.get("</s>", ids.get("<eos>"))})
+    assert not (folder / "tokenizer.model").exists()
+    return folder
+
+
+def test_tokenizer_json_sentencepiece_bpe_tokenizes_like_transformers(json_only_folder, tmp_path):
+    """The export's llama tokenizer gives transformers' tokens for the evaluation text, and the
+    vocabulary is typed as SentencePiece types it."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is the 'interop' extra")
+    from transformers import AutoTokenizer
+
+    from formats.gguf_file import read_gguf_header
+
+    path, llm = _export_and_load(json_only_folder, tmp_path)
+    hf = AutoTokenizer.from_pretrained(json_only_folder)
+    text = EVAL_TEXT.read_text() + TRICKY_TEXT
+    hf_ids = hf(text)["input_ids"]
+    assert hf_ids[0] == hf.bos_token_id and len(hf_ids) > 30000
+    assert _llama_cpp_ids(llm, text) == hf_ids
+    assert hf.convert_tokens_to_ids("<0xF0>") in hf_ids  # the emoji took the byte fallback
+    gemma = "gemma" in json_only_folder.name
+    assert llm.detokenize(hf_ids[1:]).decode() == ("" if gemma else " ") + text
+    # transformers reads the file's tokenizer back (the GGUF as a source) as the same tokenizer
+    assert load_tokenizer(open_checkpoint(path))(text)["input_ids"] == hf_ids
+
+    fields = read_gguf_header(path).fields
+    assert fields["tokenizer.ggml.model"] == "llama" and fields["tokenizer.ggml.add_space_prefix"] is (not gemma)
+    tokens, types, scores = (fields[f"tokenizer.ggml.{k}"] for k in ("tokens", "token_type", "scores"))
+    by_text = dict(zip(tokens, zip(types, scores)))
+    assert all(by_text[f"<0x{b:02X}>"] == (TokenType.BYTE, 0.0) for b in range(256))
+    assert by_text["<unk>"][0] == TokenType.UNKNOWN
+    specials = ["<pad>", "<eos>", "<bos>", "<mask>"] if gemma else ["<s>", "</s>"]
+    assert all(by_text[t][0] == TokenType.CONTROL for t in specials)
+    assert fields["tokenizer.ggml.bos_token_id"] == hf.bos_token_id and fields["tokenizer.ggml.eos_token_id"] == hf.eos_token_id
+    normal = [(text, score) for text, kind, score in zip(tokens, types, scores) if kind == TokenType.NORMAL]
+    assert len(normal) == 3000 - 256 - len(specials) - 1
+    merged, chars = [s for t, s in normal if len(t) > 1], [s for t, s in normal if len(t) == 1]
+    # Pieces in the order the trainer merged them, each scored by its merge; characters below all.
+    assert len(merged) > 2000 and merged == sorted(merged, reverse=True) and max(chars) < min(merged)
+
+    # The scores carry the merge order: with every piece at -1000 (llama.cpp's LlamaHfVocab),
+    # llama.cpp merges left to right and tokenizes differently.
+    import formats.gguf as gguf_module
+    from formats.sentencepiece_model import SentencePieceModel
+
+    def flat(*args, **kwargs):
+        spm = read_sentencepiece_json(*args, **kwargs)
+        return SentencePieceModel([(p, -1000.0, k) for p, _, k in spm.pieces], spm.model_type, spm.add_dummy_prefix)
+
+    (tmp_path / "flat").mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_module, "read_sentencepiece_json", flat)
+        _, flat_llm = _export_and_load(json_only_folder, tmp_path / "flat", vocab_only=True)
+    assert _llama_cpp_ids(flat_llm, text) != hf_ids
+
+
+def _tiny_tokenizer_json(normalizer, pre_tokenizer, merges=("a b", "\u2581 ab", "ab c", "a bc", "b c")) -> dict:
+    """A byte-fallback BPE over "▁ab c": specials, the 256 byte pieces, merged pieces, characters."""
+    vocab = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["ab", "\u2581ab", "abc", "bc", "\u2581", "a", "b", "c"]
+    return {"normalizer": normalizer, "pre_tokenizer": pre_tokenizer,
+            "added_tokens": [{"id": 1, "content": "<s>", "special": True}],
+            "model": {"type": "BPE", "byte_fallback": True, "unk_token": "<unk>", "dropout": None,
+                      "vocab": {t: i for i, t in enumerate(vocab)}, "merges": list(merges)}}
+
+
+@pytest.mark.check
+def test_tokenizer_json_pieces_are_scored_by_merge_and_typed(tmp_path):
+    """Each piece scores minus the rank of the first merge making it (abc: "ab c" at 2, not "a bc"
+    at 3); characters below every merged piece; bytes and the unknown piece typed as SentencePiece
+    types them. The four normalizations llama.cpp reproduces give its space prefix; others, and a
+    byte fallback missing byte pieces, are refused in one line naming the file."""
+    from formats.sentencepiece_model import BYTE, NORMAL, UNKNOWN
+
+    path = tmp_path / "tokenizer.json"
+    replace = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+    prepend = {"type": "Prepend", "prepend": "\u2581"}
+    gemma_split = {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False}
+    metaspace = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False}
+    spm = read_sentencepiece_json(_tiny_tokenizer_json(None, metaspace), path)
+    pieces = {text: (score, kind) for text, score, kind in spm.pieces}
+    assert len(spm.pieces) == 3 + 256 + 8 and spm.model_type == "bpe" and spm.add_dummy_prefix
+    assert [pieces[t] for t in ("ab", "\u2581ab", "abc", "bc")] == [(0.0, NORMAL), (-1.0, NORMAL), (-2.0, NORMAL), (-4.0, NORMAL)]
+    assert [pieces[t] for t in ("\u2581", "a", "b", "c")] == [(-5.0 - i, NORMAL) for i in range(263, 267)]
+    assert pieces["<0x41>"] == (0.0, BYTE) and pieces["<unk>"] == (0.0, UNKNOWN)
+    assert pieces["<s>"][1] == NORMAL  # the caller types added tokens (CONTROL here), from added_tokens
+
+    prefixes = [read_sentencepiece_json(_tiny_tokenizer_json(norm, pre), path).add_dummy_prefix for norm, pre in (
+        ({"type": "Sequence", "normalizers": [prepend, replace]}, None),  # Llama-2 as transformers 4 wrote it
+        (replace, None), (replace, gemma_split),  # Gemma, transformers 4 and 5
+        (None, {**metaspace, "prepend_scheme": "never"}))]
+    assert prefixes == [True, False, False, False]
+
+    for norm, pre, message in (
+        ({"type": "NFKC"}, None, "normalizer NFKC is not one llama.cpp"),
+        (None, {"type": "Whitespace"}, "pre-tokenizer Whitespace is not one llama.cpp"),
+    ):
+        with pytest.raises(InputError, match=f"^{path}: {message}"):
+            read_sentencepiece_json(_tiny_tokenizer_json(norm, pre), path)
+    split = {**metaspace, "split": True}  # harmless while no piece holds "▁" past its start
+    assert read_sentencepiece_json(_tiny_tokenizer_json(None, split), path).add_dummy_prefix
+    tok = _tiny_tokenizer_json(None, split)
+    tok["model"]["vocab"]["c\u2581"] = len(tok["model"]["vocab"])
+    with pytest.raises(InputError, match="Metaspace splits words apart but pieces hold '▁' inside"):
+        read_sentencepiece_json(tok, path)
+    tok = _tiny_tokenizer_json(None, metaspace)
+    del tok["model"]["vocab"]["<0x41>"]
+    with pytest.raises(InputError, match="byte fallback needs the 256 pieces <0x00>..<0xFF>; the vocabulary has 255"):
+        read_sentencepiece_json(tok, path)
+
+
+def test_tokenizer_json_converted_from_sentencepiece_gives_the_tokenizer_models_vocabulary(llama2_folder, tmp_path):
+    """The tokenizer.json transformers converts from a SentencePiece model, exported without the
+    tokenizer.model: the same pieces and types as the tokenizer.model's export, scores in the same
+    order, and llama.cpp's tokens equal to transformers'."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from formats.gguf_file import read_gguf_header
+
+    json_only = tmp_path / "json-only"
+    shutil.copytree(llama2_folder, json_only)
+    (json_only / "tokenizer.model").unlink()
+    from_model, _ = _export_and_load(llama2_folder, tmp_path / "model", vocab_only=True)
+    from_json, llm = _export_and_load(json_only, tmp_path / "json", vocab_only=True)
+    a, b = read_gguf_header(from_model).fields, read_gguf_header(from_json).fields
+    assert list(a["tokenizer.ggml.tokens"]) == list(b["tokenizer.ggml.tokens"])
+    assert list(a["tokenizer.ggml.token_type"]) == list(b["tokenizer.ggml.token_type"])
+    normal = np.asarray(a["tokenizer.ggml.token_type"]) == TokenType.NORMAL
+    rank_a, rank_b = (np.argsort(-np.asarray(f["tokenizer.ggml.scores"])[normal], kind="stable") for f in (a, b))
+    assert normal.sum() > 2500 and (rank_a == rank_b).all()
+    text = EVAL_TEXT.read_text() + TRICKY_TEXT
+    assert _llama_cpp_ids(llm, text) == AutoTokenizer.from_pretrained(json_only)(text)["input_ids"]
