@@ -18,7 +18,7 @@ from runner.fit.model_shape import ModelShape, load_model_shape
 from runner.plan.engines import EngineChoice, choose_engine
 from runner.plan.planner import Candidate, Targets, plan_candidates, recommend, size_colocated, size_disaggregated
 from runner.plan.serving import Load, Prediction
-from runner.plan.variants import PlanVariant, model_variant, read_variants
+from runner.plan.variants import model_variant, read_variants
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s)?\s*$")
 LOAD_STEPS = (0.125, 0.25, 0.5, 1, 2, 4, 8)  # multiples of the load the disaggregation comparison tries

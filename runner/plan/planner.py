@@ -246,17 +246,17 @@ def plan_candidates(shape: ModelShape, variants: list[PlanVariant], gpus: list[G
 
 
 def cost_key(c: Candidate) -> tuple:
-    """Cheapest first: hourly cost (unknown last), then fewer GPUs."""
+    """Cheapest first: hourly cost (unknown last), then fewer GPUs, then the faster answer."""
     cost = c.cost_per_hour
-    return (cost is None, cost if cost is not None else 0.0, c.gpus, c.label())
+    return (cost is None, cost if cost is not None else 0.0, c.gpus, c.prediction.e2e_p50 if c.prediction else math.inf, c.label())
 
 
 def recommend(candidates: list[Candidate]) -> tuple[Candidate | None, list[Candidate]]:
-    """The cheapest candidate that meets everything, and the ones cheaper than it (or all, if none
-    meets) that fail, each with its reasons."""
+    """The cheapest candidate that meets everything, and the ones as cheap or cheaper than it (or
+    all, if none meets) that fail, each with its reasons."""
     meeting = sorted((c for c in candidates if c.meets), key=cost_key)
     chosen = meeting[0] if meeting else None
     failing = sorted((c for c in candidates if not c.meets), key=cost_key)
     if chosen is not None:
-        failing = [c for c in failing if c.copies and cost_key(c) < cost_key(chosen)]
+        failing = [c for c in failing if c.copies and cost_key(c)[:3] <= cost_key(chosen)[:3]]
     return chosen, failing

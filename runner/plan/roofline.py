@@ -12,6 +12,7 @@ is what the chunk adds to every other user's TPOT.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -69,7 +70,12 @@ class ModelWork:
 
     @cached_property
     def _active_parameters(self) -> float:
-        return self.shape.active_parameters
+        """Parameters a token multiplies by: the active ones, less an untied embedding table,
+        which is looked up, not multiplied (a tied one is the output head too)."""
+        names = [n for n, _ in self.shape.tensors]
+        embedding = sum(math.prod(s) for n, s in self.shape.tensors if "embed_tokens" in n or n.startswith("token_embd"))
+        untied = any("lm_head" in n or n.startswith("output.weight") for n in names)
+        return self.shape.active_parameters - (embedding if untied else 0)
 
     @cached_property
     def _layers(self) -> list[tuple[float, int | None]]:
