@@ -18,7 +18,7 @@ TPOT loses the prefill interference.
 The closed loop ties it together: ``users = throughput x end-to-end latency`` (Little's law), and
 the decode batch is the users in their decode phase. The wait for the prefill is that of an M/D/1
 queue (Poisson arrivals, fixed service): mean ρS/(2(1-ρ)), an exponential tail of that mean (the
-p50 and p99 below). The p99 TPOT counts the mixed steps a request meets among its O-1 as binomial.
+p50 and p99 below), capped at the other users' prompts (a closed loop cannot queue more). The p99 TPOT counts the mixed steps a request meets among its O-1 as binomial.
 """
 
 from __future__ import annotations
@@ -83,8 +83,10 @@ def wait_quantile(rho: float, service: float, q: float) -> float:
     return mean / rho * math.log(rho / (1 - q))
 
 
-def _mean_wait(rho: float, service: float) -> float:
-    return rho * service / (2 * (1 - rho))
+def _mean_wait(rho: float, service: float, ahead: float) -> float:
+    """M/D/1's mean wait, but never more than the ``ahead`` seconds of prompts that can be queued
+    (the other users' own, in a closed loop: one user never waits)."""
+    return min(rho * service / (2 * (1 - rho)), ahead)
 
 
 def _closed_loop(users: int, service: float, servers: int, after_first: float) -> float:
@@ -95,7 +97,7 @@ def _closed_loop(users: int, service: float, servers: int, after_first: float) -
     for _ in range(60):
         rate = (lo + hi) / 2
         rho = rate * service / servers
-        e2e = _mean_wait(rho, service) + service + after_first
+        e2e = _mean_wait(rho, service, (users - 1) * service / servers) + service + after_first
         lo, hi = (rate, hi) if rate * e2e < users else (lo, rate)
     return lo
 
@@ -124,8 +126,9 @@ def colocated(work: ModelWork, device: Device, load: Load, chunk: int) -> Predic
     rho = rate * service
     mixed = _mixed_share(rho, t_dec, t_mix)
     tpot99 = t_dec + (t_mix - t_dec) * min(1.0, mixed + Z99 * math.sqrt(mixed * (1 - mixed) / max(load.output - 1, 1)))
-    ttft50 = service + wait_quantile(rho, service, 0.5)
-    ttft99 = service + wait_quantile(rho, service, 0.99)
+    ahead = (load.users - 1) * service
+    ttft50 = service + min(wait_quantile(rho, service, 0.5), ahead)
+    ttft99 = service + min(wait_quantile(rho, service, 0.99), ahead)
     return Prediction(ttft50, ttft99, mean_step, tpot99, end_to_end(ttft50, mean_step, load.output),
                       end_to_end(ttft99, tpot99, load.output), rate * load.output, decode, rho, t_dec, t_mix, chunk)
 
@@ -145,7 +148,7 @@ def _solve(load: Load, service: float, t_dec: float, t_mix: float) -> tuple[floa
         rho = rate * service
         mixed = _mixed_share(rho, t_dec, t_mix)
         step = mixed * t_mix + (1 - mixed) * t_dec
-        e2e = _mean_wait(rho, service) + service + (load.output - 1) * step
+        e2e = _mean_wait(rho, service, (load.users - 1) * service) + service + (load.output - 1) * step
         lo, hi = (rate, hi) if rate * e2e < load.users else (lo, rate)
     return lo, step
 
@@ -170,7 +173,8 @@ def disaggregated(work: ModelWork, prefill: Device, prefill_instances: int, deco
             break
         batch = 0.5 * batch + 0.5 * min(following, load.users / decode_instances)
     rho = rate * service / prefill_instances
-    ttft50 = service + transfer + wait_quantile(rho, service, 0.5)
-    ttft99 = service + transfer + wait_quantile(rho, service, 0.99)
+    ahead = (load.users - 1) * service / prefill_instances
+    ttft50 = service + transfer + min(wait_quantile(rho, service, 0.5), ahead)
+    ttft99 = service + transfer + min(wait_quantile(rho, service, 0.99), ahead)
     return Prediction(ttft50, ttft99, t_dec, t_dec, end_to_end(ttft50, t_dec, load.output), end_to_end(ttft99, t_dec, load.output),
                       rate * load.output, batch, rho, t_dec, service, 0, transfer)
