@@ -97,7 +97,7 @@ def _closed_loop(users: int, service: float, servers: int, after_first: float) -
     for _ in range(60):
         rate = (lo + hi) / 2
         rho = rate * service / servers
-        e2e = _mean_wait(rho, service, (users - 1) * service / servers) + service + after_first
+        e2e = _mean_wait(rho, service, max(0, users - servers) * service / servers) + service + after_first
         lo, hi = (rate, hi) if rate * e2e < users else (lo, rate)
     return lo
 
@@ -173,7 +173,7 @@ def disaggregated(work: ModelWork, prefill: Device, prefill_instances: int, deco
             break
         batch = 0.5 * batch + 0.5 * min(following, load.users / decode_instances)
     rho = rate * service / prefill_instances
-    ahead = (load.users - 1) * service / prefill_instances
+    ahead = max(0, load.users - prefill_instances) * service / prefill_instances  # a router sends to an idle instance first
     ttft50 = service + transfer + min(wait_quantile(rho, service, 0.5), ahead)
     ttft99 = service + transfer + min(wait_quantile(rho, service, 0.99), ahead)
     return Prediction(ttft50, ttft99, t_dec, t_dec, end_to_end(ttft50, t_dec, load.output), end_to_end(ttft99, t_dec, load.output),
