@@ -137,7 +137,7 @@ def size_colocated(shape: ModelShape, variant: PlanVariant, gpu: GPU, load: Load
         device = Device(gpu, tp)
         trial = _fewest_copies(work, device, load, targets, math.ceil(load.users / capacity))
         trial = replace(trial, gpu=gpu, variant=variant, tp=tp)
-        if best is None or _better(trial, best):
+        if best is None or _better(trial, best, targets):
             best = trial
     if best is None:
         return Candidate(gpu, variant, fails=[f"does not fit: weights and one user's KV cache at {context:,} tokens exceed "
@@ -145,9 +145,18 @@ def size_colocated(shape: ModelShape, variant: PlanVariant, gpu: GPU, load: Load
     return best
 
 
-def _better(a: Candidate, b: Candidate) -> bool:
-    """Meets before misses; then fewer GPUs; then closer to the targets."""
-    return (not a.fails, -a.gpus) > (not b.fails, -b.gpus)
+def _better(a: Candidate, b: Candidate, targets: Targets) -> bool:
+    """Meets before misses; of two that meet, fewer GPUs; of two that miss, the one whose best
+    (one user per copy) comes closer to the targets: what a refusal quotes."""
+    if bool(a.fails) != bool(b.fails):
+        return not a.fails
+    if not a.fails:
+        return a.gpus < b.gpus
+    def excess(c: Candidate) -> float:
+        p = c.floor or c.prediction
+        return targets.excess(p) if p is not None else math.inf
+
+    return excess(a) < excess(b)
 
 
 def _fewest_copies(work: ModelWork, device: Device, load: Load, targets: Targets, least: int) -> Candidate:
