@@ -180,6 +180,36 @@ def fit(
         result.print(stdout)
 
 
+@app.command()
+def plan(
+    model: str = typer.Argument(..., help="A preset (e.g. llama-3.1-8b), a model folder or config.json, a GGUF file, or a Hugging Face id."),
+    users: int = typer.Option(..., "--users", "-u", help="Requests in flight at once."),
+    prompt_tokens: int = typer.Option(..., "--prompt-tokens", help="Tokens per prompt."),
+    output_tokens: int = typer.Option(..., "--output-tokens", help="Tokens per answer."),
+    ttft: Optional[str] = typer.Option(None, "--ttft", help="Time to first token target, e.g. 500ms or 0.5s."),
+    tpot: Optional[str] = typer.Option(None, "--tpot", help="Time per output token target, e.g. 30ms."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="Catalog GPUs to consider, comma-separated, or custom:MEM_GIB,BANDWIDTH_GBS,TFLOPS (default: the whole catalogue)."),
+    variants: Optional[Path] = typer.Option(None, "--variants", help="A recipe run's output folder: its variants (bytes, KV cache, exports, accuracy budget) are the candidates."),
+    prefix_share: float = typer.Option(0.0, "--prefix-share", help="Share of each prompt already in the prefix cache (a shared system prompt), 0 to <1."),
+    kv_cache: str = typer.Option("fp16", "--kv-cache", help="Without --variants: KV-cache dtypes to try, comma-separated (fp16, fp8, int8, int4)."),
+    at: str = typer.Option("p99", "--at", help="Which prediction must meet the targets: p50 or p99."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout (fields in docs/plan.md)."),
+) -> None:
+    """Plan a deployment against TTFT/TPOT targets: GPUs, variant, engine and its command, cost, co-located or disaggregated."""
+    import json
+
+    from runner.plan.cli import PlanRequest, parse_duration, plan_command
+
+    request = PlanRequest(model, users, prompt_tokens, output_tokens, parse_duration("--ttft", ttft), parse_duration("--tpot", tpot),
+                          [g.strip() for g in gpu.split(",") if g.strip()] if gpu else None, variants, prefix_share,
+                          [k.strip() for k in kv_cache.split(",") if k.strip()], at)
+    result = plan_command(request)
+    if as_json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        result.print(stdout)
+
+
 # The engine's options, the same for every command that runs it (generate, bench).
 _DTYPE = typer.Option("auto", "--dtype", help="Weights and activations: auto (the checkpoint's), bf16, fp16, fp32.")
 _KV_DTYPE = typer.Option("auto", "--kv-cache-dtype", help="KV cache: auto (as --dtype), bf16, fp16, fp32, fp8 (e4m3), int8 or int4 (llama.cpp q8_0/q4_0 blocks).")

@@ -237,7 +237,7 @@ def fit(shape: ModelShape, q: FitQuery, smallest: bool = True) -> FitResult:
     active = active_weights_bytes(shape, weights)
     bandwidth = q.gpu.bandwidth * tp
     one = bandwidth / (active + per_sequence * tp)
-    every = q.users * bandwidth / (_batch_weights(shape, weights, active, q.users) + q.users * per_sequence * tp)
+    every = q.users * bandwidth / (batch_weights_bytes(shape, weights, active, q.users) + q.users * per_sequence * tp)
     prefill = None
     if q.gpu.flops:
         flops = 2 * shape.active_parameters * q.context + _attention_flops(shape, q.context)
@@ -305,7 +305,7 @@ def _element(shape: ModelShape, q: FitQuery) -> int:
     return 4 if shape.stored_bytes is None and q.weights.lower() == "fp32" else 2
 
 
-def _batch_weights(shape: ModelShape, weights: int, active: float, users: int) -> float:
+def batch_weights_bytes(shape: ModelShape, weights: int, active: float, users: int) -> float:
     """Weight bytes one decoding step of ``users`` sequences reads: a mixture of experts reads the
     union of the experts its tokens chose, all of them once the batch is large."""
     if shape.expert_fraction >= 1.0:

@@ -1,0 +1,173 @@
+"""`quantize plan`: the TTFT/TPOT arithmetic, the roofline against numbers worked by hand from the
+model's config and the GPU's datasheet, the queue, the recommendation inside an accuracy budget,
+the engine rule, refusals in one line, and the JSON."""
+
+import json
+import math
+
+import pytest
+
+from helpers.cli import assert_user_error, quantize
+from runner.fit.gpus import catalog, resolve_gpu
+from runner.fit.model_shape import load_model_shape
+from runner.plan.engines import choose_engine
+from runner.plan.roofline import ALLREDUCE_LATENCY, STEP_OVERHEAD, Device, ModelWork, step_seconds
+from runner.plan.serving import Load, colocated, disaggregated, end_to_end, wait_quantile
+from runner.plan.variants import PlanVariant
+
+# Llama-3.1-8B by hand (config.json): 32 layers, hidden 4096, 32 heads of 128, 8 KV heads, vocab
+# 128256, untied head; 8,030,261,248 parameters (runner/fit/presets/SOURCES.md)
+PARAMS = 8_030_261_248
+EMBED = 128256 * 4096
+KV_PER_TOKEN = 32 * 2 * 8 * 128 * 2  # bytes in fp16
+H100_BW, H100_FLOPS = 3350e9 * 0.8, 989.4e12 * 0.5  # the shares the roofline assumes
+
+
+@pytest.mark.check
+def test_the_worked_example_of_ttft_and_tpot():
+    # 400 ms to the first token, then 199 more tokens at 25 ms: 5.375 s; at 50 ms: 10.35 s
+    assert end_to_end(0.400, 0.025, 200) == pytest.approx(5.375, abs=1e-12)
+    assert end_to_end(0.400, 0.050, 200) == pytest.approx(10.35, abs=1e-12)
+    assert end_to_end(0.400, 0.050, 1) == 0.400  # one token: the first is all there is
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    return load_model_shape("llama-3.1-8b")
+
+
+def test_a_decode_step_reads_the_weights_and_the_cache_once(llama8b):
+    work = ModelWork(llama8b, 2 * PARAMS, 16)
+    device = Device(resolve_gpu("h100-80gb"))
+    # batch 4 at 1,000 cached tokens each: bandwidth-bound (its FLOPs take a few microseconds)
+    expected = (2 * PARAMS + 4 * 1000 * KV_PER_TOKEN) / H100_BW + STEP_OVERHEAD
+    assert step_seconds(work, device, 4, 1000) == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_prefill_chunk_is_compute_bound(llama8b):
+    work = ModelWork(llama8b, 2 * PARAMS, 16)
+    device = Device(resolve_gpu("h100-80gb"))
+    # 2,048 prompt tokens attending over 1,024 earlier ones on average: two FLOPs per multiplied
+    # parameter (the untied embedding table is looked up, not multiplied), plus QKᵀ and AV
+    flops = 2 * (PARAMS - EMBED) * 2048 + 4 * 32 * 128 * 2048 * 1024 * 32
+    assert step_seconds(work, device, 0, 0, 2048, 1024) == pytest.approx(flops / H100_FLOPS + STEP_OVERHEAD, rel=1e-12)
+
+
+def test_tensor_parallel_splits_the_bytes_and_adds_two_all_reduces_a_layer(llama8b):
+    work = ModelWork(llama8b, 2 * PARAMS, 16, tp=2)
+    gpu = resolve_gpu("h100-80gb")
+    read = (2 * PARAMS / 2 + 1000 * KV_PER_TOKEN / 2) / H100_BW
+    ring = ALLREDUCE_LATENCY + 2 * (2 - 1) / 2 * (1 * 4096 * 2) / gpu.interconnect
+    assert step_seconds(work, Device(gpu, 2), 1, 1000) == pytest.approx(read + 2 * 32 * ring + STEP_OVERHEAD, rel=1e-12)
+
+
+def test_the_prefill_queue_is_m_d_1():
+    assert wait_quantile(0.3, 1.0, 0.5) == 0  # most requests find the prefill free
+    mean = 0.9 / (2 * 0.1)  # Pollaczek-Khinchine, deterministic service
+    assert wait_quantile(0.9, 1.0, 0.99) == pytest.approx(mean / 0.9 * math.log(0.9 / 0.01))
+    assert wait_quantile(1.0, 1.0, 0.5) == math.inf
+
+
+def test_one_user_waits_for_nothing_and_a_full_load_obeys_littles_law(llama8b):
+    work = ModelWork(llama8b, 2 * PARAMS, 16)
+    device = Device(resolve_gpu("h100-80gb"))
+    one = colocated(work, device, Load(1, 1000, 200), 2048)
+    assert one.ttft_p50 == one.ttft_p99 == pytest.approx(one.step_mixed)  # one chunk; one user never queues
+    assert one.tpot_p50 == pytest.approx(one.step_decode, rel=0.05)
+    many = colocated(work, device, Load(128, 1000, 200), 2048)
+    rate = many.tokens_per_s / 200
+    service = many.step_mixed  # 1,000 tokens fit one chunk
+    mean_e2e = min(many.prefill_busy * service / (2 * (1 - many.prefill_busy)), 127 * service) + service + 199 * many.tpot_p50
+    assert rate * mean_e2e == pytest.approx(128, rel=1e-3)  # users = throughput x latency
+    assert many.tpot_p99 >= many.tpot_p50 > one.tpot_p50  # a bigger batch, and prefill chunks among the steps
+    # a prefix cache holding 60% of each prompt cuts the prefill, so TTFT
+    cached = colocated(work, device, Load(128, 1000, 200, 0.6), 2048)
+    assert cached.ttft_p99 < many.ttft_p99
+
+
+def test_disaggregated_ttft_includes_the_kv_transfer(llama8b):
+    work = ModelWork(llama8b, 2 * PARAMS, 16)
+    device = Device(resolve_gpu("h100-80gb"))
+    p = disaggregated(work, device, 1, device, 1, Load(1, 4000, 100), 450e9)
+    assert p.kv_transfer == pytest.approx(4000 * KV_PER_TOKEN / 450e9)
+    assert p.ttft_p50 == pytest.approx(p.step_mixed + p.kv_transfer)  # no queue for one user
+    assert p.tpot_p50 == p.tpot_p99 == p.step_decode  # decode never meets a prefill
+
+
+def _report(tmp_path, variants, budget=True):
+    """A recipe run's report.json for Llama-3.1-8B (sizes of its real exports' bits per weight)."""
+    rows = [{"name": "original", "method": "source (bfloat16)", "bits_per_weight": 16.0, "size_mb": PARAMS * 2 / 1e6,
+             "kld": None, "files": []}]
+    misses = {}
+    for name, method, bpw, files, missed in variants:
+        rows.append({"name": name, "method": method, "bits_per_weight": bpw, "size_mb": PARAMS * bpw / 8e6, "kld": 0.01,
+                     "files": [{"path": f, "bytes": 1} for f in files]})
+        misses[name] = missed
+    report = {"model": "llama", "variants": rows,
+              "recommendation": {"budget": {"kld": 0.02} if budget else None, "misses": misses if budget else {}}}
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    return tmp_path
+
+
+def test_the_cheapest_variant_inside_the_budget_is_recommended_and_cheaper_ones_say_why(monkeypatch, capsys, tmp_path):
+    run = _report(tmp_path, [
+        ("w4-gptq", "gptq int4-g128-sym", 4.6, ["w4-gptq/compressed-tensors"], []),
+        ("w3-gguf", "gguf Q3_K_S", 3.6, ["w3-gguf/m-Q3_K_S.gguf"], ["KLD 0.0900 > 0.02"]),
+        ("w4-rtn", "rtn int4-g128-sym", 4.5, ["w4-rtn/safetensors"], []),  # no export vLLM serves at 4 bits
+    ])
+    # short prompts, long answers, a tight TPOT: decode-bound, where fewer bytes mean fewer GPUs
+    code, out, err = quantize(monkeypatch, capsys, "plan", "llama-3.1-8b", "--users", "32", "--prompt-tokens", "200",
+                              "--output-tokens", "400", "--ttft", "2s", "--tpot", "40ms", "--gpu", "l4",
+                              "--variants", run, "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    rec = plan["recommendation"]
+    assert rec["variant"] == "w4-gptq" and rec["meets"] and rec["bytes_measured"]
+    assert rec["weights_bytes"] == pytest.approx(PARAMS * 4.6 / 8)
+    assert plan["engine"]["engine"] == "vllm"
+    assert str(run / "w4-gptq" / "compressed-tensors") in plan["engine"]["commands"][0]
+    # the 3-bit file is as cheap or cheaper and misses the accuracy budget
+    cheaper = {c["variant"]: c["fails"] for c in plan["cheaper_failing"]}
+    assert any("outside the accuracy budget: KLD 0.0900 > 0.02" in f for f in cheaper["w3-gguf"])
+    rtn = [c for c in plan["candidates"] if c["variant"] == "w4-rtn"]
+    assert rtn and all("no export an engine serves" in c["fails"][0] for c in rtn)
+    p = rec["prediction"]
+    assert p["e2e_p50"] == pytest.approx(p["ttft_p50"] + 399 * p["tpot_p50"])
+    assert p["ttft_p99"] <= 2.0 and p["tpot_p99"] <= 0.040
+    original = [c for c in plan["candidates"] if c["variant"] == "original" and c["layout"] == "colocated"][0]
+    assert original["cost_per_hour"] > rec["cost_per_hour"]  # 16-bit weights need more L4s for the same TPOT
+    assert rec["cost_per_hour"] == pytest.approx(rec["gpus"] * catalog()["l4"].price_per_hour)
+    assert rec["cost_per_million_tokens"] == pytest.approx(rec["cost_per_hour"] / (rec["tokens_per_s"] * 3600) * 1e6)
+    assert {"split_pays_from_users", "by_load"} <= set(plan["disaggregation"])
+
+
+def test_one_user_on_a_laptop_gets_ollama_with_the_gguf_file(tmp_path):
+    gguf = tmp_path / "q4" / "m-Q4_K_M.gguf"
+    variant = PlanVariant("q4", "gguf Q4_K_M", 4.9e9, "fp16", {"gguf": gguf})
+    choice = choose_engine("m", variant, resolve_gpu("apple-m4-pro-64gb"), 1, 1, 1, 4096, 2048)
+    assert choice.engine == "ollama"
+    assert choice.commands == [f"ollama create m-q4_k_m -f {tmp_path / 'q4' / 'm-Q4_K_M.Modelfile'}", "ollama run m-q4_k_m"]
+    split = choose_engine("m", PlanVariant("w4", "gptq int4", 5e9, "fp8", {"compressed-tensors": tmp_path / "w4"}),
+                          resolve_gpu("h100-80gb"), 2, 1, 64, 8192, 2048, disaggregated=(2, 3))
+    assert split.engine == "sglang-pd" and any("--disaggregation-mode prefill" in c for c in split.commands)
+    assert any("--kv-cache-dtype fp8_e4m3" in c for c in split.commands)
+
+
+def test_the_cli_prints_the_plan_and_its_command(monkeypatch, capsys):
+    code, out, err = quantize(monkeypatch, capsys, "plan", "qwen2.5-0.5b", "--users", "4", "--prompt-tokens", "500",
+                              "--output-tokens", "100", "--ttft", "500ms", "--tpot", "30ms", "--gpu", "l4,a10")
+    assert code == 0, err
+    assert "recommended" in out and "vllm serve Qwen/Qwen2.5-0.5B" in out and "TTFT" in out
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--prompt-tokens", "40000", "--output-tokens", "200", "--tpot", "30ms"], ["40,200 tokens exceeds", "context of 32,768",
+                                                                               "at most 32,568 tokens"]),
+    (["--prompt-tokens", "500", "--output-tokens", "100", "--tpot", "0.05ms"], ["no candidate meets the targets", "relax --tpot to at least"]),
+    (["--prompt-tokens", "500", "--output-tokens", "100"], ["no target: give --ttft, --tpot"]),
+    (["--prompt-tokens", "500", "--output-tokens", "100", "--ttft", "soon"], ["--ttft soon: a positive duration"]),
+    (["--prompt-tokens", "500", "--output-tokens", "100", "--ttft", "1s", "--prefix-share", "1"], ["--prefix-share 1.0"]),
+    (["--prompt-tokens", "500", "--output-tokens", "100", "--ttft", "1s", "--gpu", "h1000"], ["--gpu h1000: unknown GPU"]),
+])
+def test_refusals_are_one_line_naming_what_to_relax(monkeypatch, capsys, args, fragments):
+    assert_user_error(quantize(monkeypatch, capsys, "plan", "qwen2.5-0.5b", "--users", "8", *args), *fragments)
