@@ -10,9 +10,7 @@ So the cost of a hostile body is bounded by the limits, not by what the client s
 
 from __future__ import annotations
 
-import asyncio
 import json
-import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,10 +26,8 @@ BASE_REQUEST_BYTES = 2**20
 # Real requests nest a few levels (messages[i].content[j].text; a tool's schema a dozen): 64 leaves
 # room, and stays far below Python's recursion limit, which json.loads would otherwise reach.
 MAX_DEPTH = 64
-SCAN_INLINE = 2**16  # bodies up to this are scanned on the event loop (well under a millisecond)
+SCAN_PIECE = 2**16  # scanned at a time on the event loop, then checked: about a millisecond
 
-_STRING = re.compile(rb'"[^"\\]*(?:\\[\s\S]?[^"\\]*)*"?')  # never fails, so never backtracks: linear
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 def default_max_request_bytes(context_tokens: int) -> int:
@@ -56,29 +52,63 @@ class Limits:
         return cls(max_bytes or default_max_request_bytes(context_tokens), MAX_DEPTH, default_max_values(context_tokens))
 
 
-def json_shape(body: bytes) -> tuple[int, int]:
+class ShapeScan:
     """A JSON text's deepest nesting and its commas outside strings (a bound on the values its
-    arrays and objects hold, less one), in linear time and without recursion. Strings are blanked
-    first, so brackets and commas inside them do not count. On a text that is not JSON the answer
-    may be anything, but json.loads stops at the first error, and up to it the two read strings
-    alike, so it never nests deeper than this says."""
-    bare = _STRING.sub(b'""', body)
-    brackets = np.frombuffer(bare.translate(None, _NOT_BRACKETS), np.uint8)
-    if not brackets.size:
-        return 0, bare.count(b",")
-    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1).astype(np.int32)
-    return int(np.cumsum(steps).max()), bare.count(b",")
+    arrays and objects hold, less one), read piece by piece as the body arrives, in a few
+    vectorised passes a piece and without recursion, so a body too deep is refused at its first
+    piece that shows it.
+
+    A quote after an odd run of backslashes is escaped; the others open and close strings, and
+    brackets and commas inside strings do not count. On a text that is not JSON the answer may be
+    anything, but json.loads stops at its first error, and up to there both read strings alike, so
+    it never nests deeper than this says."""
+
+    def __init__(self):
+        self.inside = 0  # 1 within a string
+        self.escape_next = False  # the last piece ended in an odd run of backslashes
+        self.depth = self.deepest = self.commas = 0
+
+    def feed(self, piece: bytes) -> None:
+        b = np.frombuffer(piece, np.uint8)
+        if not b.size:
+            return
+        quotes = b == ord('"')
+        edges = np.diff((b == ord("\\")).view(np.int8), prepend=np.int8(0), append=np.int8(0))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)  # runs of backslashes
+        lengths = ends - starts
+        if self.escape_next:
+            if starts.size and starts[0] == 0:
+                lengths[0] += 1  # the run goes on from the last piece
+            else:
+                quotes[0] = False
+        odd = lengths % 2 == 1
+        quotes[ends[odd & (ends < b.size)]] = False
+        self.escape_next = bool(ends.size and ends[-1] == b.size and odd[-1])
+        parity = np.bitwise_xor.accumulate(quotes.view(np.uint8)) ^ np.uint8(self.inside)  # 1: in a string
+        outside = parity == 0
+        self.inside = int(parity[-1])
+        steps = ((b == ord("[")) | (b == ord("{"))).view(np.int8) - ((b == ord("]")) | (b == ord("}"))).view(np.int8)
+        steps = steps[(steps != 0) & outside]
+        if steps.size:
+            levels = np.cumsum(steps, dtype=np.int64) + self.depth
+            self.deepest, self.depth = max(self.deepest, int(levels.max())), int(levels[-1])
+        self.commas += int(np.count_nonzero((b == ord(",")) & outside))
+
+    def check(self, limits: Limits) -> None:
+        """``APIError`` 400 naming what is wrong with a body too deep or too wide to parse."""
+        if self.deepest > limits.max_depth:
+            raise APIError(400, f"the body nests more than {limits.max_depth} levels deep (at least {self.deepest} in "
+                                f"its first bytes); this server parses at most {limits.max_depth}", None, "json_too_deep")
+        if self.commas >= limits.max_values:
+            raise APIError(400, f"the body holds more than {limits.max_values:,} values in its arrays and objects; this "
+                                "server parses at most that many", None, "json_too_large")
 
 
-def check_shape(body: bytes, limits: Limits) -> None:
-    """``APIError`` 400 naming what is wrong with a body too deep or too wide to parse."""
-    depth, commas = json_shape(body)
-    if depth > limits.max_depth:
-        raise APIError(400, f"the body nests {depth} levels deep; this server parses at most {limits.max_depth}",
-                       None, "json_too_deep")
-    if commas >= limits.max_values:
-        raise APIError(400, f"the body holds more than {commas:,} values in its arrays and objects; this server "
-                            f"parses at most {limits.max_values:,}", None, "json_too_large")
+def json_shape(body: bytes) -> tuple[int, int]:
+    """A whole body's deepest nesting and commas outside strings (ShapeScan's)."""
+    scan = ShapeScan()
+    scan.feed(body)
+    return scan.deepest, scan.commas
 
 
 def too_large(limits: Limits, size: int | None = None) -> APIError:
@@ -101,10 +131,6 @@ class BodyGuard:
             body = await self._read(scope, receive)
             if body is None:  # the client left while sending it
                 return
-            if len(body) > SCAN_INLINE:
-                await asyncio.to_thread(check_shape, body, self.limits)
-            else:
-                check_shape(body, self.limits)
         except APIError as error:
             return await _answer(send, error)
         replayed = False
@@ -122,7 +148,7 @@ class BodyGuard:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limits.max_bytes:
             raise too_large(self.limits, int(length))
-        chunks, size = [], 0
+        chunks, size, scan = [], 0, ShapeScan()
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
@@ -131,6 +157,9 @@ class BodyGuard:
             size += len(chunk)
             if size > self.limits.max_bytes:  # sent in chunks, or longer than it said
                 raise too_large(self.limits)
+            for at in range(0, len(chunk), SCAN_PIECE):
+                scan.feed(chunk[at:at + SCAN_PIECE])
+                scan.check(self.limits)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)

@@ -1,0 +1,47 @@
+"""A misbehaving client in a process of its own (so its work does not share the measuring test's
+interpreter lock): sends one kind of hostile request to a server again and again until stopped,
+printing each reply's status and error code, one line each.
+
+    python tests/helpers/hostile_client.py URL big|chunked|deep
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import httpx
+
+MB = 1_000_000
+HEAD, TAIL, PIECE = b'{"model": "tiny", "prompt": "', b'"}', b"word " * (MB // 5)
+BIG = len(HEAD) + 50 * len(PIECE) + len(TAIL)  # a 50 MB prompt, sent 1 MB at a time
+DEEP = b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+
+def fifty_mb():
+    yield HEAD
+    for _ in range(50):
+        yield PIECE
+    yield TAIL
+
+
+def send(client: httpx.Client, kind: str) -> httpx.Response:
+    json_type = {"content-type": "application/json"}
+    if kind == "big":  # announced: Content-Length says 50 MB
+        return client.post("/v1/completions", content=fifty_mb(), headers={**json_type, "content-length": str(BIG)})
+    if kind == "chunked":  # unannounced: Transfer-Encoding: chunked
+        return client.post("/v1/completions", content=fifty_mb(), headers=json_type)
+    return client.post("/v1/completions", content=DEEP, headers=json_type)
+
+
+def main(url: str, kind: str) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    with httpx.Client(base_url=url, timeout=60) as client:
+        while True:
+            reply = send(client, kind)
+            code = reply.json().get("error", {}).get("code") if reply.headers.get("content-type") == "application/json" else None
+            print(reply.status_code, code, flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
