@@ -168,5 +168,5 @@ class BodyGuard:
 async def _answer(send, error: APIError) -> None:
     payload = json.dumps(error.body()).encode()
     await send({"type": "http.response.start", "status": error.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()), (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": payload})

@@ -1,14 +1,16 @@
 """A misbehaving client in a process of its own (so its work does not share the measuring test's
 interpreter lock): sends one kind of hostile request to a server again and again until stopped,
-printing each reply's status and error code, one line each.
+printing each reply's status and error code, one line each; GAP seconds pass between one reply and
+the next request (0: a flood).
 
-    python tests/helpers/hostile_client.py URL big|chunked|deep
+    python tests/helpers/hostile_client.py URL big|chunked|deep [GAP]
 """
 
 from __future__ import annotations
 
 import signal
 import sys
+import time
 
 import httpx
 
@@ -34,13 +36,14 @@ def send(client: httpx.Client, kind: str) -> httpx.Response:
     return client.post("/v1/completions", content=DEEP, headers=json_type)
 
 
-def main(url: str, kind: str) -> None:
+def main(url: str, kind: str, gap: str = "0") -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with httpx.Client(base_url=url, timeout=60) as client:
         while True:
             reply = send(client, kind)
             code = reply.json().get("error", {}).get("code") if reply.headers.get("content-type") == "application/json" else None
             print(reply.status_code, code, flush=True)
+            time.sleep(float(gap))
 
 
 if __name__ == "__main__":
