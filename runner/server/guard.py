@@ -69,9 +69,15 @@ class ShapeScan:
         self.depth = self.deepest = self.commas = 0
 
     def feed(self, piece: bytes) -> None:
-        b = np.frombuffer(piece, np.uint8)
-        if not b.size:
+        if not piece:
             return
+        if not self.escape_next and b'"' not in piece and b"\\" not in piece:  # no string starts or ends here
+            if self.inside:
+                return  # a long text's middle: nothing in it counts
+            if not any(c in piece for c in (b"[", b"]", b"{", b"}")):
+                self.commas += piece.count(b",")
+                return
+        b = np.frombuffer(piece, np.uint8)
         quotes = b == ord('"')
         edges = np.diff((b == ord("\\")).view(np.int8), prepend=np.int8(0), append=np.int8(0))
         starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)  # runs of backslashes

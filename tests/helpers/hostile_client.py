@@ -1,13 +1,17 @@
 """A misbehaving client in a process of its own (so its work does not share the measuring test's
-interpreter lock): sends one kind of hostile request to a server again and again until stopped,
+interpreter lock): sends hostile requests of the kinds given (joined by +, taken in turn) to a server until stopped,
 printing each reply's status and error code, one line each; GAP seconds pass between one reply and
 the next request (0: a flood).
 
-    python tests/helpers/hostile_client.py URL big|chunked|deep [GAP]
+    python tests/helpers/hostile_client.py URL KIND[+KIND...] [GAP]
+
+KIND: big (50 MB, its Content-Length announced), chunked (50 MB, unannounced), deep (JSON nested
+100,000 deep), health (a benign GET /health, for comparison).
 """
 
 from __future__ import annotations
 
+import itertools
 import signal
 import sys
 import time
@@ -33,15 +37,17 @@ def send(client: httpx.Client, kind: str) -> httpx.Response:
         return client.post("/v1/completions", content=fifty_mb(), headers={**json_type, "content-length": str(BIG)})
     if kind == "chunked":  # unannounced: Transfer-Encoding: chunked
         return client.post("/v1/completions", content=fifty_mb(), headers=json_type)
+    if kind == "health":
+        return client.get("/health")
     return client.post("/v1/completions", content=DEEP, headers=json_type)
 
 
-def main(url: str, kind: str, gap: str = "0") -> None:
+def main(url: str, kinds: str, gap: str = "0") -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with httpx.Client(base_url=url, timeout=60) as client:
-        while True:
+        for kind in itertools.cycle(kinds.split("+")):
             reply = send(client, kind)
-            code = reply.json().get("error", {}).get("code") if reply.headers.get("content-type") == "application/json" else None
+            code = (reply.json().get("error") or {}).get("code") if reply.headers.get("content-type") == "application/json" else None
             print(reply.status_code, code, flush=True)
             time.sleep(float(gap))
 
