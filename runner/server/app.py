@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from core.errors import InputError
 from runner.engine.sampling import SamplingParams
 from runner.server.async_engine import AsyncEngine, Overloaded, Request, Update
 from runner.server.guard import BodyGuard, Limits
@@ -114,9 +115,12 @@ class Server:
         if max_tokens > room:
             raise APIError(400, f"max_tokens {max_tokens}: the prompt's {len(ids)} tokens leave room for {room} in this "
                                 f"model's context of {self.max_model_len}", "max_tokens", "context_length_exceeded")
-        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                              seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
-                              ignore_eos=body.ignore_eos, logprobs=logprobs)
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
+                                  top_p=body.top_p, seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
+                                  ignore_eos=body.ignore_eos, logprobs=logprobs)
+        except InputError as error:  # what the engine refuses that the schema let through
+            raise APIError(400, str(error)) from None
 
     def submit(self, ids: list[int], params: SamplingParams) -> Request:
         try:
