@@ -1,12 +1,11 @@
 """`quantize serve` in a process of its own, for tests that measure it from outside (its RSS, its
 answers while other clients misbehave): started on a free port of 127.0.0.1, ready once /health
-answers, stopped with Ctrl-C (SIGINT) and waited for."""
+answers, stopped with Ctrl-C (SIGINT) and waited for (bench/servers.py's stop). Unlike
+bench/servers.py's `running`, it gives the test the server's process id."""
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,13 +15,9 @@ from typing import Iterator
 
 import httpx
 
+from bench.servers import free_port, stop
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -45,12 +40,7 @@ def serving(model: Path, *options: str, timeout: float = 120) -> Iterator[tuple[
                 time.sleep(0.1)
         yield url, proc.pid
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+        stop(proc, 30)
 
 
 def rss_mib(pid: int) -> float:
