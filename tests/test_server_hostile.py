@@ -8,6 +8,7 @@ check the pieces: the body's shape read without parsing it, and the token bound'
 from __future__ import annotations
 
 import json
+import os
 import math
 import random
 import signal
@@ -25,7 +26,7 @@ from runner.server.guard import ShapeScan, json_shape
 from runner.server.token_bound import max_token_bytes, min_tokens
 
 PROMPT = "It was a bright cold day in April, and the clocks"
-SENDERS = __import__("os").environ.get("HOSTILE_SENDERS", "big+chunked,deep").split(",")  # health+health: a control
+SENDERS = os.environ.get("HOSTILE_SENDERS", "big+chunked,deep").split(",")  # health+health: a control
 GAP = "0.1"  # seconds from a refusal to the sender's next request
 HOSTILE = REPO / "tests" / "helpers" / "hostile_client.py"
 
