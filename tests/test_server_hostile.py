@@ -8,8 +8,8 @@ check the pieces: the body's shape read without parsing it, and the token bound'
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 import random
 import signal
 import statistics
