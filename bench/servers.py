@@ -49,13 +49,18 @@ def running(command: list[str], port: int, env: dict | None = None, timeout: flo
             time.sleep(0.5)
         yield url
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
         log.close()
+
+
+def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """Ctrl-C (SIGINT), as a user stops a server; killed if it has not ended within ``timeout``."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
 
 
 def ours(model: Path, port: int, *options: str) -> list[str]:

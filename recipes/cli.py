@@ -322,6 +322,7 @@ def serve(
     max_waiting: int = typer.Option(256, "--max-waiting", help="Requests queued beyond the running ones before 429."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model's name in the API (default: the folder's, or the id)."),
     chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="A Jinja chat template file (default: the tokenizer's, else plain 'Role: text')."),
+    max_request_bytes: Optional[int] = typer.Option(None, "--max-request-bytes", help="Larger request bodies get 413 before parsing (default: 1 MiB + 64 bytes per token of context)."),
     dtype: str = _DTYPE, kv_cache_dtype: str = _KV_DTYPE, block_size: int = _BLOCK, max_num_seqs: int = _SEQS,
     max_num_batched_tokens: int = _TOKENS, kv_memory: Optional[str] = _KV_MEMORY, max_model_len: Optional[int] = _MAX_LEN,
     enable_prefix_caching: bool = _PREFIX, speculative: Optional[str] = _SPEC,
@@ -331,11 +332,11 @@ def serve(
     from runner.server.serve import check_options
     from runner.server.serve import serve as run_server
 
-    check_options(host, port, max_waiting)
+    check_options(host, port, max_waiting, max_request_bytes)
     llm = _llm(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, kv_memory, max_model_len,
                enable_prefix_caching, speculative)
     run_server(llm, host, port, served_model_name or (str(model) if hub_id(model) else model.resolve().name), api_key, max_waiting, chat_template,
-               lambda line: console.print(escape(line), highlight=False))
+               lambda line: console.print(escape(line), highlight=False), max_request_bytes)
 
 
 def _lengths(text: str, flag: str) -> tuple[int, ...]:

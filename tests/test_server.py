@@ -186,6 +186,13 @@ def post(server, path: str, body, key: str | None = KEY, timeout: float = 30) ->
     ({"model": "gpt-5", "prompt": "x"}, 404, "gpt-5"),
     ({"model": NAME, "prompt": "word " * 400}, 413, "context"),
     ({"model": NAME, "prompt": "x", "max_tokens": 10_000}, 400, "max_tokens"),
+    # hostile (issue 37): refused before parsing, before tokenizing, or before the engine sees them
+    (b'{"model": "tiny", "prompt": "x", "temperature": 1e999}', 400, "finite"),
+    (b'{"model": "tiny", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "levels deep"),
+    ({"model": NAME, "prompt": [1] * 70_000}, 400, "values in its arrays"),
+    (b'{"model": "tiny", "prompt": "\\ud800"}', 400, "cannot be tokenized"),
+    ({"model": NAME, "prompt": "word " * 20_000}, 413, "at least"),
+    ({"model": NAME, "prompt": "x" * 1_100_000}, 413, "request body is"),
 ])
 def test_bad_requests_get_openai_shaped_errors(server, body, status, fragment):
     reply = post(server, "/v1/completions", body)
@@ -193,6 +200,21 @@ def test_bad_requests_get_openai_shaped_errors(server, body, status, fragment):
     error = reply.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and fragment in error["message"]
     assert "Traceback" not in reply.text
+
+
+def test_a_body_over_the_limit_sent_in_chunks_is_cut_off(server):
+    """No Content-Length to go by: the server reads up to its limit, then answers 413."""
+    chunks = (b'{"model": "tiny", "prompt": "', *[b"word " * 200_000] * 10, b'"}')
+    reply = httpx.post(f"{server.url}/v1/completions", content=iter(chunks), timeout=30,
+                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large"
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_a_freezing_temperature_is_greedy_not_a_failed_step(server, offline):
+    """1e-40 would overflow the logits to inf and fail the step of every request in the batch."""
+    reply = server.client().completions.create(model=NAME, prompt=PROMPT, max_tokens=8, temperature=1e-40)
+    assert reply.choices[0].text == offline.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))[0].text
 
 
 def test_chat_errors_name_the_field(server):
@@ -312,6 +334,7 @@ def test_quantize_serve_starts_answers_and_stops_on_ctrl_c(tmp_path):
     (["serve", "/no/such/model"], "/no/such/model"),
     (["serve", str(TINY), "--port", "0"], "--port 0"),
     (["serve", str(TINY), "--max-waiting", "0"], "--max-waiting 0"),
+    (["serve", str(TINY), "--max-request-bytes", "10"], "--max-request-bytes 10"),
     (["serve", str(TINY), "--chat-template", "/no/such.jinja", "--port", "1"], "/no/such.jinja"),
 ])
 def test_quantize_serve_refuses_bad_options_in_one_line(monkeypatch, capsys, args, fragment):

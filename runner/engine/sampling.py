@@ -15,11 +15,16 @@ import torch
 
 from core.errors import InputError
 
+# Colder than this is greedy, as in vLLM (its _SAMPLING_EPS): greedy is the limit anyway, and logits
+# divided by 1e-40 overflow float32 to inf, whose softmax is NaN, and the draw would fail the whole
+# batch's step, every request in it, not only the one that asked.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0: greedy
+    temperature: float = 1.0  # 0 (below GREEDY_BELOW): greedy
     top_k: int = -1  # -1 (or 0): no limit
     top_p: float = 1.0
     seed: int | None = None
@@ -49,7 +54,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -2,8 +2,13 @@
 ``/v1/chat/completions`` (streamed as server-sent events or not), ``/health`` and ``/metrics``.
 
 Every error a client can cause comes back in OpenAI's shape with its status (400 invalid, 401 key,
-404 model or route, 413 prompt longer than the context, 429 queue full); a client that disconnects
-has its request aborted at once, streaming or not.
+404 model or route, 413 body over the limit or prompt longer than the context, 429 queue full); a
+client that disconnects has its request aborted at once, streaming or not.
+
+A hostile request costs its sender, not everyone: its body is bounded and its JSON shape checked
+before parsing (runner/server/guard.py), a text that cannot fit the context is refused before it
+is tokenized (runner/server/token_bound.py), and a long text is tokenized on a worker thread, so
+the event loop keeps answering the others. (Output text is detokenized on the engine's thread.)
 """
 
 from __future__ import annotations
@@ -21,13 +26,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from core.errors import InputError
 from runner.engine.sampling import SamplingParams
 from runner.server.async_engine import AsyncEngine, Overloaded, Request, Update
+from runner.server.guard import BodyGuard, Limits
 from runner.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, usage
+from runner.server.token_bound import max_token_bytes, min_tokens
 
 # For a model whose tokenizer has no chat template (a base model): the conversation as plain text.
 PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n\n{% endfor %}"
                        "{% if add_generation_prompt %}Assistant:{% endif %}")
+# Texts up to this many characters are tokenized on the event loop: tens of microseconds, less than
+# a hop to a worker thread costs. Longer ones go to a thread (the tokenizer lets go of the GIL).
+TOKENIZE_INLINE = 4096
 
 
 class Server:
@@ -40,6 +51,7 @@ class Server:
         self.chat_template = self.own_template or PLAIN_CHAT_TEMPLATE
         self.max_model_len = engine.engine.max_model_len
         self.vocab = engine.engine.arch.vocab
+        self.per_token = max_token_bytes(self.tokenizer)  # None: no sound bound for this tokenizer
 
     # -- requests to engine inputs ----------------------------------------------------------------
 
@@ -48,36 +60,67 @@ class Server:
             raise APIError(404, f"model {name!r} does not exist here; this server serves {self.model_name!r}", "model",
                            "model_not_found")
 
-    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        ids = self.engine.llm.token_ids(prompt)
-        if any(not 0 <= t < self.vocab for t in ids):
-            raise APIError(400, f"prompt: a token id outside the vocabulary (0..{self.vocab - 1})", "prompt")
+    async def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            if len(prompt) >= self.max_model_len:  # before looking at each id
+                self.refuse_length(len(prompt), "prompt")
+            if any(not 0 <= t < self.vocab for t in prompt):
+                raise APIError(400, f"prompt: a token id outside the vocabulary (0..{self.vocab - 1})", "prompt")
+            ids = list(prompt)
+        else:
+            self.check_fits(prompt, "prompt")
+            ids = await off_loop(len(prompt), self.tokenize, prompt, True, "prompt")
         if not ids:
             raise APIError(400, "prompt: empty", "prompt")
         return ids
 
-    def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+    async def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
         conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+        size = sum(len(m["content"]) for m in conversation)
+        text = await off_loop(size, self.render, conversation)
+        self.check_fits(text, "messages")
+        # A model's own template writes its special tokens itself; the plain one relies on the tokenizer's.
+        return await off_loop(len(text), self.tokenize, text, self.own_template is None, "messages")
+
+    def render(self, conversation: list[dict]) -> str:
         try:
-            text = self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template, tokenize=False,
+            return self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template, tokenize=False,
                                                       add_generation_prompt=True)
         except Exception as error:  # the template refuses the conversation (jinja's raise_exception)
             raise APIError(400, f"messages: the chat template refuses them: {error}", "messages") from None
-        # A model's own template writes its special tokens itself; the plain one relies on the tokenizer's.
-        return self.tokenizer(text, add_special_tokens=self.own_template is None)["input_ids"]
+
+    def tokenize(self, text: str, special: bool, param: str) -> list[int]:
+        try:
+            return self.tokenizer(text, add_special_tokens=special)["input_ids"]
+        except Exception as error:  # text the tokenizer cannot take (a lone surrogate from a \ud800 escape)
+            raise APIError(400, f"{param}: cannot be tokenized ({type(error).__name__}: {error})", param) from None
+
+    def check_fits(self, text: str, param: str) -> None:
+        """413 for a text that takes at least the context in tokens, known from its length alone."""
+        least = min_tokens(text, self.per_token)
+        if least >= self.max_model_len:
+            raise APIError(413, f"{param}: at least {least:,} tokens (no token of this model stands for more than "
+                                f"{self.per_token} bytes); this model's context is {self.max_model_len} tokens, prompt "
+                                "and output together", param, "context_length_exceeded")
+
+    def refuse_length(self, tokens: int, param: str) -> None:
+        raise APIError(413, f"{param}: {tokens} tokens; this model's context is {self.max_model_len} tokens, "
+                            "prompt and output together", param, "context_length_exceeded")
 
     def params(self, body, ids: list[int], max_tokens: int | None, logprobs: int | None, param: str) -> SamplingParams:
         if len(ids) >= self.max_model_len:
-            raise APIError(413, f"{param}: {len(ids)} tokens; this model's context is {self.max_model_len} tokens, "
-                                "prompt and output together", param, "context_length_exceeded")
+            self.refuse_length(len(ids), param)
         room = self.max_model_len - len(ids)
         max_tokens = room if max_tokens is None else max_tokens
         if max_tokens > room:
             raise APIError(400, f"max_tokens {max_tokens}: the prompt's {len(ids)} tokens leave room for {room} in this "
                                 f"model's context of {self.max_model_len}", "max_tokens", "context_length_exceeded")
-        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                              seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
-                              ignore_eos=body.ignore_eos, logprobs=logprobs)
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
+                                  top_p=body.top_p, seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
+                                  ignore_eos=body.ignore_eos, logprobs=logprobs)
+        except InputError as error:  # what the engine refuses that the schema let through
+            raise APIError(400, str(error)) from None
 
     def submit(self, ids: list[int], params: SamplingParams) -> Request:
         try:
@@ -119,6 +162,13 @@ def _scored(update_list: list[Update]) -> tuple[list[int], list[float], list[dic
             [d for u in update_list for d in u.top_logprobs])
 
 
+async def off_loop(size: int, work, *args):
+    """``work(*args)``: on the event loop for a small ``size``, else on a worker thread."""
+    if size <= TOKENIZE_INLINE:
+        return work(*args)
+    return await asyncio.to_thread(work, *args)
+
+
 async def updates(request: Request) -> AsyncIterator[Update]:
     """A request's updates until its last; an engine error as an APIError."""
     while True:
@@ -136,7 +186,10 @@ async def disconnected(http: HTTPRequest) -> None:
         pass
 
 
-def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, chat_template: str | None = None) -> FastAPI:
+def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, chat_template: str | None = None,
+               max_request_bytes: int | None = None) -> FastAPI:
+    """The app; ``max_request_bytes`` (default: from the context, guard.default_max_request_bytes)
+    bounds a request's body."""
     server = Server(engine, model_name, api_key, chat_template)
 
     @asynccontextmanager
@@ -148,6 +201,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             await asyncio.to_thread(engine.close)
 
     app = FastAPI(title="quantbench", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyGuard, limits=Limits.for_context(server.max_model_len, max_request_bytes))
 
     @app.exception_handler(APIError)
     async def api_error(_: HTTPRequest, error: APIError) -> JSONResponse:
@@ -216,14 +270,14 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @v1.post("/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
         server.check_model(body.model)
-        ids = server.prompt_ids(body.single_prompt())
+        ids = await server.prompt_ids(body.single_prompt())
         params = server.params(body, ids, body.max_tokens, body.logprobs, "prompt")
         return await respond(http, body, ids, params, chat=False)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
         server.check_model(body.model)
-        ids = server.chat_ids(body)
+        ids = await server.chat_ids(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = server.params(body, ids, body.max_completion_tokens or body.max_tokens, logprobs, "messages")
         return await respond(http, body, ids, params, chat=True)

@@ -32,9 +32,9 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    """What completions and chat completions share."""
+    """What completions and chat completions share (numbers finite: JSON's 1e999 is inf to Python)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: StrictStr
     temperature: float = Field(1.0, ge=0)

@@ -11,8 +11,10 @@ from runner.server.app import create_app
 from runner.server.async_engine import AsyncEngine
 
 
-def check_options(host: str, port: int, max_waiting: int) -> None:
+def check_options(host: str, port: int, max_waiting: int, max_request_bytes: int | None = None) -> None:
     """One clear line for an address that cannot be served, before the model loads."""
+    if max_request_bytes is not None and max_request_bytes < 1024:
+        raise InputError(f"--max-request-bytes {max_request_bytes}: must be 1024 or more")
     if max_waiting < 1:
         raise InputError(f"--max-waiting {max_waiting}: must be 1 or more")
     if not 0 < port < 65536:
@@ -25,7 +27,7 @@ def check_options(host: str, port: int, max_waiting: int) -> None:
 
 
 def serve(llm: LLM, host: str, port: int, model_name: str, api_key: str | None, max_waiting: int,
-          chat_template: Path | None, announce) -> None:
+          chat_template: Path | None, announce, max_request_bytes: int | None = None) -> None:
     import uvicorn
 
     template = None
@@ -34,6 +36,6 @@ def serve(llm: LLM, host: str, port: int, model_name: str, api_key: str | None, 
             template = chat_template.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as error:
             raise InputError(f"--chat-template {chat_template}: cannot read it ({error})") from None
-    app = create_app(AsyncEngine(llm, max_waiting), model_name, api_key, template)
+    app = create_app(AsyncEngine(llm, max_waiting), model_name, api_key, template, max_request_bytes)
     announce(f"serving {model_name} on http://{host}:{port}/v1 (OpenAI API; Ctrl-C stops)")
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

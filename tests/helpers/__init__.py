@@ -10,5 +10,7 @@ tests/conftest.py): no test module imports another (tests/test_import_order.py c
 - ggml_oracle: llama.cpp's own quantizer, the byte-exact reference;
 - model_zoo: small random models of each architecture; smollm2: a real pretrained checkpoint;
 - fuzz_inputs: the seeded fuzzer of the commands that read users' files (also a script);
-- browser: a headless chromium's view of a report page.
+- browser: a headless chromium's view of a report page;
+- serving: `quantize serve` in a process of its own, with its pid; hostile_client: a client process
+  that sends it hostile bodies (also a script).
 """
