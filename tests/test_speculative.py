@@ -220,6 +220,58 @@ def test_ngram_lookup_takes_what_followed_the_latest_match():
     assert proposer._lookup(np.array([1, 2, 3, 4]), 3) == []
 
 
+def test_ngram_guesses_follow_how_many_were_kept():
+    """All kept: guess k again; a refusal after j kept: guess j + 1 (the lookup itself still finds k)."""
+    from runner.engine.sequence import Sequence
+
+    proposer = NgramProposer(SpeculativeConfig("ngram", num_tokens=6, prompt_lookup_min=2))
+    passage = list(range(10, 40))
+    seq = Sequence(0, passage + passage[:3], SamplingParams(), None)
+    assert proposer.propose([seq], [6])[0] == [passage[3:9]]
+    seq.output_ids = passage[3:10]  # every guess kept, then the target's own token
+    assert proposer.propose([seq], [6])[0] == [passage[10:16]]
+    seq.output_ids += passage[10:12] + [99]  # two kept, then a refusal
+    assert proposer._wanted(seq.id, seq.prompt_ids + seq.output_ids) == 3
+    seq.output_ids += [12, 13]  # back on the passage ("99 12 13" is not in it: "12 13" is)
+    assert proposer.propose([seq], [6])[0] == [passage[4:7]]
+    proposer.release(seq)
+    assert proposer._last == {}
+
+
+class GuessEverything:
+    """A proposer that guesses all it is allowed to (token 5), so that the budget alone limits guesses."""
+
+    def propose(self, seqs, limits):
+        return [[5] * k for k in limits], [None] * len(seqs)
+
+    def release(self, seq):
+        pass
+
+
+def test_guesses_never_crowd_out_another_sequences_tokens():
+    """Guesses take only the step's budget left after every running sequence's own next tokens (its
+    decode token, or the rest of its prompt): with a budget of 6 tokens, 4 sequences and k=8, every
+    running sequence is scheduled every step (before, the oldest one's guesses took the whole
+    budget while a younger one's prompt waited)."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for budget in (6, 64):
+        llm = LLM(TINY, dtype="fp32", kv_memory=32 * 2**20, max_num_seqs=4, max_num_batched_tokens=budget,
+                  speculative="ngram,k=8")
+        llm.engine.proposer = GuessEverything()
+        scheduler = llm.engine.scheduler
+        schedule = scheduler.schedule
+
+        def every_running_scheduled():
+            running = {s.id for s in scheduler.running}
+            work = schedule()
+            assert running <= {s.id for s, _ in work}
+            return work
+
+        scheduler.schedule = every_running_scheduled
+        llm.generate(prompts_from_text([3, 5, 8, 13]), params)
+        assert llm.engine.spec_proposed > 0
+
+
 @pytest.mark.parametrize("text, fragment", [
     ("medusa", "ngram, draft=DIR"), ("ngram,k=0", "k=N"), ("draft=", "ngram, draft=DIR"),
     ("draft=/no/such/model", "/no/such/model"), ("self=int9", "self=intB"), ("self=nf4", "self=intB"),

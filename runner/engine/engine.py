@@ -89,7 +89,7 @@ class Engine:
         self._next_id = 0
         self._seeds = torch.Generator().manual_seed(config.seed)
         self.peak_blocks = 0
-        self.spec_proposed = self.spec_accepted = 0
+        self.spec_proposed = self.spec_accepted = self.spec_steps = 0  # guesses, those kept, sequence-steps verifying
         spec = config.speculative
         self._decode_rows = 1 if spec is None else 1 + spec.num_tokens  # a verify step's rows attend as decode rows
         self.proposer = None if spec is None else NgramProposer(spec) if spec.method == "ngram" else \
@@ -186,6 +186,7 @@ class Engine:
                 chosen[i], accepted = verify(logits[rows[i] : rows[i] + 1 + len(guesses)], seq, guesses, seq.draft_q)
                 seq.num_computed += accepted
                 self.spec_proposed += len(guesses)
+                self.spec_steps += 1
                 self.spec_accepted += accepted
                 seq.draft_ids, seq.draft_q = [], None
         token_rows = [rows[i] + j for i, tokens in enumerate(chosen) for j in range(len(tokens))]
@@ -199,9 +200,14 @@ class Engine:
         return out
 
     def _propose(self) -> None:
-        """Guesses for every running sequence that decodes next step, as many as it may still use."""
+        """Guesses for every running sequence that decodes next step, as many as it may still use,
+        and no more than its share of the step's token budget left after every running sequence's
+        own next token (so that guesses never crowd out another sequence's decode)."""
         ready = [s for s in self.scheduler.running if s.num_computed == s.num_tokens - 1]
-        k = self.config.speculative.num_tokens
+        if not ready:
+            return
+        spare = self.config.max_num_batched_tokens - sum(s.num_tokens - s.num_computed for s in self.scheduler.running)
+        k = min(self.config.speculative.num_tokens, max(0, spare) // len(ready))
         limits = [max(0, min(k, s.params.max_tokens - len(s.output_ids) - 1, self.max_model_len - s.num_tokens - 1))
                   for s in ready]
         guesses, dists = self.proposer.propose(ready, limits)

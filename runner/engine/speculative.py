@@ -72,14 +72,33 @@ class SpeculativeConfig:
 
 
 class NgramProposer:
+    """Prompt lookup with a guess count that follows the sequence: after a round whose guesses were
+    all kept it guesses ``num_tokens`` again (a copied passage goes on), after a refusal one more
+    than it had right (the copy ended, or the lookup found the wrong place). A sequence that copies
+    gets long guesses; one that does not costs about one guess a step."""
+
     def __init__(self, config: SpeculativeConfig):
         self.config = config
+        self._last: dict[int, tuple[int, list[int]]] = {}  # per sequence: its length when guessing, the guesses
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         out = []
         for seq, k in zip(seqs, limits):
-            out.append(self._lookup(np.asarray(seq.prompt_ids + seq.output_ids), k) if k else [])
+            tokens = seq.prompt_ids + seq.output_ids
+            guesses = self._lookup(np.asarray(tokens), min(k, self._wanted(seq.id, tokens))) if k else []
+            self._last[seq.id] = (len(tokens), guesses)
+            out.append(guesses)
         return out, [None] * len(seqs)
+
+    def _wanted(self, seq_id: int, tokens: list[int]) -> int:
+        """How many to guess: all after a round that kept every guess (or none made), else one more than were kept."""
+        length, guesses = self._last.get(seq_id, (0, []))
+        if not guesses:
+            return self.config.num_tokens
+        kept = 0
+        while kept < len(guesses) and length + kept < len(tokens) and tokens[length + kept] == guesses[kept]:
+            kept += 1
+        return self.config.num_tokens if kept == len(guesses) else kept + 1
 
     def _lookup(self, tokens: np.ndarray, k: int) -> list[int]:
         """The ``k`` tokens that followed the latest earlier occurrence of the longest suffix found."""
@@ -92,7 +111,7 @@ class NgramProposer:
         return []
 
     def release(self, seq: Sequence) -> None:
-        pass
+        self._last.pop(seq.id, None)
 
 
 class DraftProposer:
