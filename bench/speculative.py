@@ -33,6 +33,7 @@ check is exact (in bf16 a verify step's rows round differently from a decode ste
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import re
 import statistics
@@ -140,6 +141,11 @@ def run(model: Path, work: list[tuple[list[int], int]], speculative: str | None,
     return row | {"tokens": tokens}
 
 
+def progress(label: str, row: dict) -> None:
+    """A finished row on stderr as soon as it is measured (the whole run takes many minutes)."""
+    print(f"{label}: {json.dumps({k: v for k, v in row.items() if k != 'tokens'})}", file=sys.stderr, flush=True)
+
+
 def step_seconds(model, pool, blocks, block_size: int, device, batch: int, guesses: int, context: int = 192) -> float:
     """The median seconds of 7 forward passes of ``batch`` sequences at ``context`` tokens, each
     computing its last token and ``guesses`` guesses (0: a plain decode step)."""
@@ -231,9 +237,11 @@ def main() -> None:
     def compare(name: str, model: Path, work, methods: list[str], concurrency: int = 1, ignore_eos: bool = True,
                 target: float | None = None) -> dict:
         plain = rows[f"{name} plain"] = run(model, work, None, args.dtype, concurrency, ignore_eos)
+        progress(f"{name} plain", plain)
         for method in methods:
             label = f"{name} {method.replace(str(args.draft), 'tiny')}"
             rows[label] = run(model, work, method, args.dtype, concurrency, ignore_eos)
+            progress(label, rows[label])
             goal = f", target {target}" if target and method.startswith("ngram") else ""
             ratios[f"{label} vs plain (tokens/s{goal})"] = rows[label]["tokens_per_s"] / plain["tokens_per_s"]
             checks[f"{label}: tokens identical to plain decoding"] = rows[label]["tokens"] == plain["tokens"]
@@ -260,7 +268,7 @@ def main() -> None:
         same = sum(a == b for (p, _), out in zip(work, plain["tokens"]) for a, b in zip(out, p[16:192]))
         plain["quoted"] = round(same / sum(map(len, plain["tokens"])), 3)
     if "verify" in sections:
-        rows["verify cost"] = verify_costs(args.model, "ref", args.dtype) | verify_costs(instruct, "smollm2", args.dtype)
+        rows["verify cost"] = verify_costs(args.model, args.model.name, args.dtype) | verify_costs(instruct, "smollm2", args.dtype)
     if "project" in sections:
         with tempfile.TemporaryDirectory(prefix="spec_8b_") as work:
             cost = draft_cost_8b(Path(work))

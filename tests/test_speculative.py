@@ -73,17 +73,21 @@ def test_greedy_output_is_plain_decodings_token_for_token(draft, speculative):
 
 
 def test_self_speculation_drafts_on_low_bit_kernels_and_shares_the_rest():
-    """``self=int4``: the draft's layers run on the int4 kernel, its embedding, head and final norm
-    are the target's own tensors; its blocks are all free after the run."""
+    """``self=int4``: the draft's layers run on the int4 kernel in bf16; a bf16 target's draft uses
+    the target's own embedding, head and final norm, an fp32 target's bf16 copies; the draft's
+    blocks are all free after the run."""
     from runner.engine.linear import Int4Linear
 
-    llm = LLM(TINY, dtype="fp32", kv_memory=32 * 2**20, max_num_seqs=4, speculative="self=int4")
-    llm.generate(prompts_from_text([5, 30]), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    draft, target = llm.engine.proposer.model, llm.engine.model
-    assert all(isinstance(layer[name][0], Int4Linear) for layer in draft.layers for name in ("qkv", "o", "gate_up", "down"))
-    assert not isinstance(target.layers[0]["qkv"][0], Int4Linear)
-    assert draft.embed is target.embed and draft.lm_head is target.lm_head and draft.norm is target.norm
-    assert llm.engine.proposer.blocks.num_free == llm.engine.proposer.blocks.num_blocks
+    for dtype in ("bf16", "fp32"):
+        llm = LLM(TINY, dtype=dtype, kv_memory=32 * 2**20, max_num_seqs=4, speculative="self=int4")
+        llm.generate(prompts_from_text([5, 30]), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        draft, target = llm.engine.proposer.model, llm.engine.model
+        assert all(isinstance(layer[name][0], Int4Linear) for layer in draft.layers for name in ("qkv", "o", "gate_up", "down"))
+        assert not isinstance(target.layers[0]["qkv"][0], Int4Linear)
+        assert draft.dtype == torch.bfloat16 and draft.embed.dtype == torch.bfloat16
+        shared = draft.embed is target.embed and draft.lm_head is target.lm_head and draft.norm is target.norm
+        assert shared == (dtype == "bf16")
+        assert llm.engine.proposer.blocks.num_free == llm.engine.proposer.blocks.num_blocks
 
 
 def test_a_recipe_variant_of_the_same_model_drafts(tmp_path):

@@ -34,7 +34,7 @@ from runner.engine.checkpoint import open_model
 from runner.engine.kv_cache import KVPool, float_cache
 from runner.engine.model import DecoderModel
 from runner.engine.sampling import SamplingParams, probabilities
-from runner.engine.self_draft import LowBitView, share_unrounded
+from runner.engine.self_draft import DRAFT_DTYPE, LowBitView, share_unrounded
 from runner.engine.sequence import Sequence
 
 
@@ -120,6 +120,7 @@ class DraftProposer:
     def __init__(self, config: SpeculativeConfig, target: DecoderModel, target_ckpt, tokens: int, block_size: int):
         dtype, device = target.dtype, target.device
         if config.method == "self":
+            dtype = DRAFT_DTYPE
             self.model = DecoderModel(LowBitView(target_ckpt, config.draft_bits), dtype, device)
             share_unrounded(self.model, target)
         else:
