@@ -4,7 +4,9 @@ chunked prefill on one model copy, or by separate prefill and decode pools.
 
 Co-located (Sarathi-Serve, vLLM's chunked prefill): every step carries one decode token of each
 running sequence; while a prompt waits, the step also carries a chunk of it, filling the step's
-token budget. Prompts are prefilled one after another, first come first served. So:
+token budget. Prompts that fit the step's room two or more at a time share steps (``_batched``:
+a Poisson number per step, measured against vLLM CPU and our server by
+bench/plan_validation.py); longer ones are prefilled one after another, first come first served:
 
 - TTFT = the wait for the prompts ahead + the prompt's own chunks, each a *mixed* step;
 - TPOT = the mean step: a mixed step when some prompt is being prefilled (a share ρ of the time,
