@@ -81,8 +81,8 @@ def test_short_prompts_share_steps_with_the_decode_batch(llama8b):
     assert one.ttft_p50 == one.ttft_p99 == pytest.approx(one.step_mixed)
     assert one.tpot_p50 == pytest.approx(one.step_decode)
     p = colocated(work, device, Load(64, 200, 100), 2048)
-    m = -math.log(1 - p.prefill_busy)  # prompts a step carries on average (Poisson)
     others = 63 / 64
+    rate = p.tokens_per_s / 100
 
     def step(prompts: int) -> float:
         return step_seconds(work, device, p.decode_batch, 250, prompts * 200, 100, prompts)
@@ -92,12 +92,14 @@ def test_short_prompts_share_steps_with_the_decode_batch(llama8b):
                    for k in range(60))
 
     assert (p.step_decode, p.step_mixed) == (pytest.approx(step(0)), pytest.approx(step(1)))
+    assert p.prefill_busy == pytest.approx(rate * (step(1) - step(0)))  # the prompts' share of the time
+    m = 0.0  # prompts a step carries on average (Poisson): those that arrive during a step of the mean length
+    for _ in range(200):
+        m = rate * mean_step(m)
     # TPOT: the mean step, carrying the other users' prompts; TTFT: the step under way, then its own with the others'
     assert p.tpot_p50 == pytest.approx(mean_step(m * others), rel=1e-6)
     assert p.ttft_p50 == pytest.approx(p.tpot_p50 + step(1) + m * others * (step(2) - step(1)), rel=1e-6)
-    rate = p.tokens_per_s / 100
     assert rate * p.e2e_p50 == pytest.approx(64, rel=1e-3)  # Little's law: users = throughput x latency
-    assert m == pytest.approx(rate * mean_step(m), rel=1e-6)  # arrivals during a step of the mean length
     assert p.ttft_p99 > p.ttft_p50 and p.tpot_p99 > p.tpot_p50
     # a prompt longer than half the step's room is prefilled one after another: the M/D/1 queue
     long = colocated(work, device, Load(64, 1500, 100), 2048)

@@ -185,7 +185,7 @@ def _batched(work: ModelWork, device: Device, load: Load, chunk: int) -> Predict
     ttft99 = costs.carrying(busy) + (costs.mean(busy) if load.users > 1 else 0.0)
     tpot99 = costs.mean((per_step + Z99 * math.sqrt(per_step / max(load.output - 1, 1))) * others)
     return Prediction(ttft, ttft99, tpot, tpot99, end_to_end(ttft, tpot, load.output), end_to_end(ttft99, tpot99, load.output),
-                      rate * load.output, decode, 1 - math.exp(-per_step), costs.none, costs.one, chunk)
+                      rate * load.output, decode, min(1.0, rate * (costs.one - costs.none)), costs.none, costs.one, chunk)
 
 
 @dataclass(frozen=True)
