@@ -152,19 +152,19 @@ def _batched(work: ModelWork, device: Device, load: Load, chunk: int) -> Predict
     meanwhile: TTFT is those two steps (one, for a single user, whose server is idle). A step
     carries on average ``m = rate x step`` prompts (Poisson); a request's own O-1 decode steps
     carry the other users' prompts, ``m (users-1)/users`` each on average, and its TPOT is their
-    mean. Solved with the decode batch (Little's law) by fixed point. None where
-    the prompts that arrive in a step at p99 would not fit its room: then they queue, as
-    ``colocated`` models them one after another."""
+    mean. Solved with the decode batch (Little's law) by fixed point. None where two prompts do
+    not fit the room the decode tokens leave, or the prompts that arrive in a step at p99 would
+    not: then they queue, as ``colocated`` models them one after another."""
     new, cached = load.new_tokens, load.prompt - load.new_tokens
+    if 2 * new > chunk - 1:
+        return None
     decode_context, chunk_context = load.prompt + load.output / 2, cached + new / 2
     others = (load.users - 1) / load.users
 
     def step(decode: float, prompts: float) -> float:
         return step_seconds(work, device, decode, decode_context, prompts * new, chunk_context, prompts)
 
-    decode, rate, per_step = float(load.users), 0.0, 0.0
-    ttft = tpot = step(decode, 1)
-    costs = _StepCosts(step(decode, 0), step(decode, 1), step(decode, 2))
+    decode, rate, per_step, ttft, tpot = float(load.users), 0.0, 0.0, 0.0, 0.0
     for _ in range(60):
         costs = _StepCosts(step(decode, 0), step(decode, 1), step(decode, 2))
         lo, hi = 0.0, float(load.users)
