@@ -11,11 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from core.errors import InputError
+from recipes.schema import Deploy
 from runner.fit.gpus import catalog, resolve_gpu
 from runner.fit.model_shape import load_model_shape
 from runner.plan.cli import PlanRequest, plan_variants
 from runner.plan.variants import report_variants
-from recipes.schema import Deploy
 
 
 def plan_deployment(deploy: Deploy, model: Path, report: dict, out_dir: Path) -> dict:

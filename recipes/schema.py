@@ -230,14 +230,18 @@ def _duration(value: object) -> object:
     """``500ms``, ``0.5s`` or a number of milliseconds, in seconds (as ``quantize plan --ttft``)."""
     from runner.plan.cli import duration_seconds
 
-    if value is None or isinstance(value, bool) or not isinstance(value, (str, int, float)):
+    if isinstance(value, bool):
+        raise ValueError("a positive duration, e.g. 500ms or 0.5s")
+    if value is None or not isinstance(value, (str, int, float)):
         return value  # None stays; the rest fails the float check, naming the field
     return duration_seconds(str(value))
 
 
 def _gpu_names(value: object) -> object:
     """``h100-80gb``, ``l4,a10`` or a list of names, as a list (``quantize plan --gpu``)."""
-    return [g.strip() for g in value.split(",") if g.strip()] if isinstance(value, str) else value
+    from runner.fit.gpus import split_gpus
+
+    return split_gpus(value) if isinstance(value, str) else value
 
 
 def _known_gpus(names: list[str] | None) -> list[str] | None:

@@ -205,6 +205,19 @@ def test_the_cli_prints_the_plan_and_its_command(monkeypatch, capsys):
     assert "recommended" in out and "vllm serve Qwen/Qwen2.5-0.5B" in out and "TTFT" in out
 
 
+@pytest.mark.check
+def test_a_custom_device_keeps_its_commas_in_a_list_of_gpus(monkeypatch, capsys):
+    from runner.fit.gpus import split_gpus
+
+    assert split_gpus("l4, a10") == ["l4", "a10"]
+    assert split_gpus("custom:48,960,100,l4") == ["custom:48,960,100", "l4"]
+    assert split_gpus("custom:48,960,l4") == ["custom:48,960", "l4"]
+    code, out, err = quantize(monkeypatch, capsys, "plan", "qwen2.5-0.5b", "--users", "2", "--prompt-tokens", "200",
+                              "--output-tokens", "50", "--tpot", "1s", "--gpu", "custom:64,50,2", "--json")
+    assert code == 0, err
+    assert json.loads(out)["recommendation"]["gpu"] == "custom:64,50,2"
+
+
 @pytest.mark.parametrize("args, fragments", [
     (["--prompt-tokens", "40000", "--output-tokens", "200", "--tpot", "30ms"], ["40,200 tokens exceeds", "context of 32,768",
                                                                                "at most 32,568 tokens"]),

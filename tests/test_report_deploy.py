@@ -34,6 +34,7 @@ def _load(tmp_path, deploy):
 def test_the_deploy_block_reads_durations_and_gpu_lists(tmp_path):
     d = _load(tmp_path, DEPLOY | {"ttft": "0.5s", "tpot": 30, "gpu": "l4, a10", "prefix_share": 0.5}).deploy
     assert (d.ttft, d.tpot, d.gpu, d.prefix_share) == (0.5, 0.030, ["l4", "a10"], 0.5)
+    assert _load(tmp_path, DEPLOY | {"gpu": "custom:48,960,100, l4"}).deploy.gpu == ["custom:48,960,100", "l4"]
     assert _load(tmp_path, {k: v for k, v in DEPLOY.items() if k not in ("ttft", "gpu")}).deploy.gpu is None
 
 
@@ -41,6 +42,8 @@ def test_the_deploy_block_reads_durations_and_gpu_lists(tmp_path):
 @pytest.mark.parametrize("change, fragment", [
     ({"users": 0}, "field 'deploy.users': Input should be greater than or equal to 1"),
     ({"ttft": "soon"}, "field 'deploy.ttft': a positive duration, e.g. 500ms or 0.5s"),
+    ({"tpot": True}, "field 'deploy.tpot': a positive duration"),
+    ({"gpu": "custom:48"}, "field 'deploy.gpu': custom:48: expected custom:MEM_GIB,BANDWIDTH_GBS[,TFLOPS]"),
     ({"tpot": None, "ttft": None}, "field 'deploy': no target: give ttft, tpot or both"),
     ({"gpu": "h1000"}, "field 'deploy.gpu': h1000: unknown GPU"),
     ({"prefix_share": 1}, "field 'deploy.prefix_share': Input should be less than 1"),
