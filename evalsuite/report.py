@@ -79,14 +79,16 @@ class Report:
     window: int
     rows: list[VariantRow]
     recommendation: dict | None = None  # evalsuite/recommend.py: recommend()
+    deployment: dict | None = None  # the recipe's deploy: load planned (recipes/deploy.py)
 
     def as_dict(self) -> dict:
-        return {
+        out = {
             "model": self.model,
             "evaluation": {"text": self.eval_text, "windows": self.windows, "window": self.window},
             "recommendation": self.recommendation,
             "variants": [r.as_dict() for r in self.rows],
         }
+        return out | ({"deployment": self.deployment} if self.deployment is not None else {})
 
 
 COLUMNS = ("variant", "method", "bpw", "size MB", "PPL", "ΔPPL", "KLD", "top-1", "time s")
@@ -205,6 +207,45 @@ def recommendation_lines(report: Report) -> list[str]:
     return lines
 
 
+def deployment_lines(report: Report) -> list[str]:
+    """The recipe's deploy: load, and what it takes for the recommended variant: GPUs, layout,
+    predicted TTFT and TPOT (p50 and p99), cost, and the command to start it; or the planner's
+    one line naming what to relax."""
+    d = report.deployment
+    if not d:
+        return []
+    q = d["query"]
+    targets = ", ".join(f"{k} ≤ {_ms(q[f'{k.lower()}_s'])}" for k in ("TTFT", "TPOT") if q[f"{k.lower()}_s"] is not None)
+    share = f" ({q['prefix_share']:.0%} from the prefix cache)" if q["prefix_share"] else ""
+    lines = [f"Load: {q['users']} users at once, {q['prompt_tokens']:,}-token prompts{share}, {q['output_tokens']:,}-token "
+             f"answers; {targets} at {q['percentile']}; GPUs: {', '.join(q['gpus']) if q['gpus'] else 'any in the catalogue'}."]
+    if d["error"]:
+        return lines + [f"No deployment of {d['variant'] or 'any variant'} meets it: {d['error']}"]
+    r, p, engine = d["recommendation"], d["recommendation"]["prediction"], d["engine"]
+    layout = (f"{r['prefill_instances']} prefill + {r['decode_instances']} decode instance(s)" if r["layout"] == "disaggregated"
+              else f"{r['copies']} cop{'y' if r['copies'] == 1 else 'ies'}")
+    tp = f" of {r['tensor_parallel']} GPUs each" if r["tensor_parallel"] > 1 else ""
+    which = "the report's recommended variant" if d["recommended_by"] == "report" else "the cheapest variant that meets it"
+    lines += [
+        f"Deploy {r['variant']} ({which}) on {r['gpus']} x {r['gpu']}: {layout}{tp}, KV cache {r['kv_cache']}"
+        + (f", prefill chunk {r['chunk']} tokens." if r["chunk"] else "."),
+        f"Predicted TTFT {_ms(p['ttft_p50'])} p50, {_ms(p['ttft_p99'])} p99; TPOT {_ms(p['tpot_p50'])} p50, "
+        f"{_ms(p['tpot_p99'])} p99; {r['tokens_per_s']:,.0f} output tokens/s.",
+        f"Cost: {_money(r['cost_per_hour'])}/hour, {_money(r['cost_per_million_tokens'])} per million output tokens.",
+        f"Engine: {engine['engine']}: {engine['why']}.",
+        *(f"Run: `{c}`" for c in engine["commands"]),
+    ]
+    return lines
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:,.0f} ms" if seconds < 10 else f"{seconds:,.1f} s"
+
+
+def _money(value: float | None) -> str:
+    return "n/a (no price in the catalogue)" if value is None else f"${value:,.2f}" if value >= 0.1 else f"${value:,.4f}"
+
+
 _WORST_LINEARS = 5
 
 
@@ -231,6 +272,7 @@ def markdown(report: Report) -> str:
         "",
         *(["## Recommendation", "", *(f"- {line}" for line in recommendation_lines(report)), ""]
           if report.recommendation else []),
+        *(["## Deployment", "", *(f"- {line}" for line in deployment_lines(report)), ""] if report.deployment else []),
         *_md_table(list(columns(report)), [cells(r, _timed(report)) for r in report.rows]),
     ]
     lines += [
@@ -308,6 +350,8 @@ def html(report: Report) -> str:
         against += f"<h2>Where it hurts</h2>\n{_html_table(*hurts)}\n<div class=\"heatmaps\">\n{maps}\n</div>\n"
     advice = "".join(f"<li>{escape(line)}</li>" for line in recommendation_lines(report))
     advice = f'<h2>Recommendation</h2>\n<ul class="recommendation">{advice}</ul>\n' if advice else ""
+    plan = "".join(f"<li>{_code(line)}</li>" for line in deployment_lines(report))
+    advice += f'<h2>Deployment</h2>\n<ul class="deployment">{plan}</ul>\n' if plan else ""
     return f"""<!DOCTYPE html>
 <html xmlns="http://www.w3.org/1999/xhtml" lang="en">
 <head>
@@ -339,6 +383,12 @@ next token is the original's. bpw: bits per weight over all tensors.</p>
 </body>
 </html>
 """
+
+
+def _code(line: str) -> str:
+    """A line with its `command` in <code>, the rest escaped."""
+    parts = line.split("`")
+    return "".join(escape(p) if i % 2 == 0 else f"<code>{escape(p)}</code>" for i, p in enumerate(parts))
 
 
 def _speed_chart(report: Report) -> str:

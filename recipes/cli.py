@@ -198,10 +198,11 @@ def plan(
     """Plan a deployment against TTFT/TPOT targets: GPUs, variant, engine and its command, cost, co-located or disaggregated."""
     import json
 
+    from runner.fit.gpus import split_gpus
     from runner.plan.cli import PlanRequest, parse_duration, plan_command
 
     request = PlanRequest(model, users, prompt_tokens, output_tokens, parse_duration("--ttft", ttft), parse_duration("--tpot", tpot),
-                          [g.strip() for g in gpu.split(",") if g.strip()] if gpu else None, variants, prefix_share,
+                          split_gpus(gpu) if gpu else None, variants, prefix_share,
                           [k.strip() for k in kv_cache.split(",") if k.strip()], at)
     result = plan_command(request)
     if as_json:

@@ -42,6 +42,7 @@ from formats.variant_weights import VariantWeights
 from quant.activations import simulated_activations
 from quant.kv_cache import simulated_kv_cache
 from recipes import lm_eval_tasks
+from recipes.deploy import plan_deployment
 from recipes.importance import model_imatrix
 from recipes.lm_eval_tasks import LMEvalTask
 from recipes.methods import Imatrix, method_of
@@ -152,6 +153,8 @@ def _run(recipe: Recipe, ckpt: Source, baseline: Source | None, tasks: list[Task
     budget = Budget(**recipe.budget.model_dump()) if recipe.budget else None
     report = Report(model=str(recipe.model), eval_text=str(ev.text), windows=windows.shape[0],
                     window=windows.shape[1], rows=rows, recommendation=recommend(rows, budget, recipe.goal))
+    if recipe.deploy is not None:
+        report.deployment = plan_deployment(recipe.deploy, recipe.model, report.as_dict(), out_dir)
     write_report(report, out_dir)
     write_model_cards(report, recipe, ckpt.path, out_dir)
     record(out_dir / ORIGINAL, keys.original(), original)

@@ -226,6 +226,57 @@ class Budget(Strict):
     task_drop: Fraction | None = Field(default=None, le=1)
 
 
+def _duration(value: object) -> object:
+    """``500ms``, ``0.5s`` or a number of milliseconds, in seconds (as ``quantize plan --ttft``)."""
+    from runner.plan.cli import duration_seconds
+
+    if isinstance(value, bool):
+        raise ValueError("a positive duration, e.g. 500ms or 0.5s")
+    if value is None or not isinstance(value, (str, int, float)):
+        return value  # None stays; the rest fails the float check, naming the field
+    return duration_seconds(str(value))
+
+
+def _gpu_names(value: object) -> object:
+    """``h100-80gb``, ``l4,a10`` or a list of names, as a list (``quantize plan --gpu``)."""
+    from runner.fit.gpus import split_gpus
+
+    return split_gpus(value) if isinstance(value, str) else value
+
+
+def _known_gpus(names: list[str] | None) -> list[str] | None:
+    from runner.fit.gpus import resolve_gpu
+
+    for name in names or []:
+        try:
+            resolve_gpu(name)
+        except InputError as e:
+            raise ValueError(str(e).removeprefix("--gpu ")) from None
+    return names
+
+
+class Deploy(Strict):
+    """The load the recommended variant must carry, planned in the report as ``quantize plan``
+    plans it (runner/plan/, docs/plan.md): ``users`` requests in flight, their prompt and answer
+    lengths, the p99 targets (``ttft: 500ms``, ``tpot: 30ms``; at least one), the GPUs to choose
+    from (catalogue names or ``custom:MEM_GIB,BANDWIDTH_GBS,TFLOPS``; default: every catalogue
+    GPU) and the share of each prompt a prefix cache holds."""
+
+    users: int = Field(ge=1, le=1_000_000)
+    prompt_tokens: int = Field(ge=1, le=10_000_000)
+    output_tokens: int = Field(ge=1, le=10_000_000)
+    ttft: Annotated[float, BeforeValidator(_duration)] | None = None
+    tpot: Annotated[float, BeforeValidator(_duration)] | None = None
+    gpu: Annotated[list[str], BeforeValidator(_gpu_names), AfterValidator(_known_gpus), Field(min_length=1)] | None = None
+    prefix_share: float = Field(default=0.0, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _needs_a_target(self) -> "Deploy":
+        if self.ttft is None and self.tpot is None:
+            raise ValueError("no target: give ttft, tpot or both (e.g. ttft: 500ms, tpot: 30ms)")
+        return self
+
+
 SOURCE_ROW = "source"  # the report's row of ``model`` when ``reference`` is its baseline
 
 LOCAL = "local"  # the executor that builds the variants one after another in the job's process
@@ -263,6 +314,7 @@ class Recipe(Strict):
     speed: Speed | None = None
     budget: Budget | None = None
     goal: Literal["smallest", "fastest"] = "smallest"  # which variant within the budget to recommend
+    deploy: Deploy | None = None  # a deployment to plan for the recommended variant, in the report
     executor: Annotated[str, AfterValidator(check_executor)] = LOCAL  # where the variants are built
 
     def based_at(self, base: Path) -> "Recipe":
@@ -309,7 +361,8 @@ class Recipe(Strict):
 
 
 def check_against_model(recipe: Recipe, arch: Architecture) -> None:
-    """Refuse what the model's config.json refutes: a window longer than the model's context."""
+    """Refuse what the model's config.json refutes: a window, or a deployment's prompt and answer,
+    longer than the model's context."""
     context = arch.max_context
     if not context:
         return
@@ -318,6 +371,11 @@ def check_against_model(recipe: Recipe, arch: Architecture) -> None:
         if settings is not None and settings.window > context:
             raise InputError(f"field '{part}.window': {settings.window} tokens is longer than the context of "
                              f"{recipe.model} ({context} tokens, max_position_embeddings in its config.json)")
+    d = recipe.deploy
+    if d is not None and d.prompt_tokens + d.output_tokens > context:
+        raise InputError(f"field 'deploy.prompt_tokens': {d.prompt_tokens} + output_tokens {d.output_tokens} tokens is longer "
+                         f"than the context of {recipe.model} ({context} tokens): shorten the prompt to at most "
+                         f"{max(1, context - d.output_tokens)} tokens")
 
 
 def load_recipe(path: Path) -> Recipe:

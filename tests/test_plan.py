@@ -61,6 +61,51 @@ def test_tensor_parallel_splits_the_bytes_and_adds_two_all_reduces_a_layer(llama
     assert step_seconds(work, Device(gpu, 2), 1, 1000) == pytest.approx(read + 2 * 32 * ring + STEP_OVERHEAD, rel=1e-12)
 
 
+def test_a_cpu_engine_pays_per_step_and_per_sequence_outside_the_kernels(llama8b):
+    work = ModelWork(llama8b, 2 * PARAMS, 16)
+    gpu = resolve_gpu("h100-80gb")
+    device = Device(gpu, step_overhead=0.030, sequence_overhead=0.0004)  # bench/plan_validation.py calibrates these
+    # 8 decoding sequences and 3 prompts of 100 tokens in the step: 11 sequences' bookkeeping
+    flops = 2 * (PARAMS - EMBED) * 308 + 4 * 32 * 128 * (8 * 1000 + 300 * 50) * 32
+    read = 2 * PARAMS + 8 * 1000 * KV_PER_TOKEN + 3 * 50 * KV_PER_TOKEN
+    kernels = max(read / H100_BW, flops / H100_FLOPS)
+    assert step_seconds(work, device, 8, 1000, 300, 50, prompts=3) == pytest.approx(kernels + 0.030 + 11 * 0.0004, rel=1e-12)
+
+
+@pytest.mark.check
+def test_short_prompts_share_steps_with_the_decode_batch(llama8b):
+    work = ModelWork(llama8b, 2 * PARAMS, 16)
+    device = Device(resolve_gpu("h100-80gb"))
+    one = colocated(work, device, Load(1, 200, 100), 2048)
+    # one user: its prompt alone in a step on an idle server; then pure decode steps
+    assert one.ttft_p50 == one.ttft_p99 == pytest.approx(one.step_mixed)
+    assert one.tpot_p50 == pytest.approx(one.step_decode)
+    p = colocated(work, device, Load(64, 200, 100), 2048)
+    others = 63 / 64
+    rate = p.tokens_per_s / 100
+
+    def step(prompts: int) -> float:
+        return step_seconds(work, device, p.decode_batch, 250, prompts * 200, 100, prompts)
+
+    def mean_step(mean: float) -> float:  # over Poisson(mean) prompts, a step's cost affine from one prompt on
+        return sum(math.exp(-mean) * mean**k / math.factorial(k) * (step(0) if k == 0 else step(1) + (k - 1) * (step(2) - step(1)))
+                   for k in range(60))
+
+    assert (p.step_decode, p.step_mixed) == (pytest.approx(step(0)), pytest.approx(step(1)))
+    assert p.prefill_busy == pytest.approx(rate * (step(1) - step(0)))  # the prompts' share of the time
+    m = 0.0  # prompts a step carries on average (Poisson): those that arrive during a step of the mean length
+    for _ in range(200):
+        m = rate * mean_step(m)
+    # TPOT: the mean step, carrying the other users' prompts; TTFT: the step under way, then its own with the others'
+    assert p.tpot_p50 == pytest.approx(mean_step(m * others), rel=1e-6)
+    assert p.ttft_p50 == pytest.approx(p.tpot_p50 + step(1) + m * others * (step(2) - step(1)), rel=1e-6)
+    assert rate * p.e2e_p50 == pytest.approx(64, rel=1e-3)  # Little's law: users = throughput x latency
+    assert p.ttft_p99 > p.ttft_p50 and p.tpot_p99 > p.tpot_p50
+    # a prompt longer than half the step's room is prefilled one after another: the M/D/1 queue
+    long = colocated(work, device, Load(64, 1500, 100), 2048)
+    assert long.step_mixed > p.step_mixed and long.prefill_busy < 1
+
+
 def test_the_prefill_queue_is_m_d_1():
     assert wait_quantile(0.3, 1.0, 0.5) == 0  # most requests find the prefill free
     mean = 0.9 / (2 * 0.1)  # Pollaczek-Khinchine, deterministic service
@@ -158,6 +203,19 @@ def test_the_cli_prints_the_plan_and_its_command(monkeypatch, capsys):
                               "--output-tokens", "100", "--ttft", "500ms", "--tpot", "30ms", "--gpu", "l4,a10")
     assert code == 0, err
     assert "recommended" in out and "vllm serve Qwen/Qwen2.5-0.5B" in out and "TTFT" in out
+
+
+@pytest.mark.check
+def test_a_custom_device_keeps_its_commas_in_a_list_of_gpus(monkeypatch, capsys):
+    from runner.fit.gpus import split_gpus
+
+    assert split_gpus("l4, a10") == ["l4", "a10"]
+    assert split_gpus("custom:48,960,100,l4") == ["custom:48,960,100", "l4"]
+    assert split_gpus("custom:48,960,l4") == ["custom:48,960", "l4"]
+    code, out, err = quantize(monkeypatch, capsys, "plan", "qwen2.5-0.5b", "--users", "2", "--prompt-tokens", "200",
+                              "--output-tokens", "50", "--tpot", "1s", "--gpu", "custom:64,50,2", "--json")
+    assert code == 0, err
+    assert json.loads(out)["recommendation"]["gpu"] == "custom:64,50,2"
 
 
 @pytest.mark.parametrize("args, fragments", [

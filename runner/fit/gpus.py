@@ -48,6 +48,15 @@ def _gbs(value: float | None) -> float | None:
 _CUSTOM = re.compile(r"^custom:([0-9.]+),([0-9.]+)(?:,([0-9.]+))?$")
 
 
+_LISTED = re.compile(r"\s*(custom:[^,]*(?:,\s*[0-9.]+){0,2}|[^,]+)\s*(?:,|$)")
+
+
+def split_gpus(text: str) -> list[str]:
+    """``l4,a10`` as ``["l4", "a10"]``, a ``custom:MEM,BANDWIDTH[,TFLOPS]`` entry kept whole
+    (its commas are its own): ``custom:48,960,100,l4`` is two devices."""
+    return [m.group(1).replace(" ", "") for m in _LISTED.finditer(text) if m.group(1).strip()]
+
+
 def resolve_gpu(name: str) -> GPU:
     """A catalog GPU by name, or ``custom:MEM_GIB,BANDWIDTH_GBS[,TFLOPS]``."""
     m = _CUSTOM.match(name)

@@ -18,7 +18,7 @@ from runner.fit.model_shape import ModelShape, load_model_shape
 from runner.plan.engines import EngineChoice, choose_engine
 from runner.plan.planner import Candidate, Targets, plan_candidates, recommend, size_colocated, size_disaggregated
 from runner.plan.serving import Load, Prediction
-from runner.plan.variants import model_variant, read_variants
+from runner.plan.variants import PlanVariant, model_variant, read_variants
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s)?\s*$")
 LOAD_STEPS = (0.125, 0.25, 0.5, 1, 2, 4, 8)  # multiples of the load the disaggregation comparison tries
@@ -28,9 +28,18 @@ def parse_duration(flag: str, text: str | None) -> float | None:
     """``500ms``, ``0.5s`` or ``500`` (milliseconds) in seconds."""
     if text is None:
         return None
+    try:
+        return duration_seconds(text)
+    except ValueError as e:
+        raise InputError(f"{flag} {text}: {e}") from None
+
+
+def duration_seconds(text: str) -> float:
+    """``500ms``, ``0.5s`` or ``500`` (milliseconds) in seconds; ValueError for anything else (the
+    recipe's ``deploy:`` block reads its targets with it)."""
     m = _DURATION.match(text)
     if not m or float(m.group(1)) <= 0:
-        raise InputError(f"{flag} {text}: a positive duration, e.g. 500ms or 0.5s")
+        raise ValueError("a positive duration, e.g. 500ms or 0.5s")
     return float(m.group(1)) / (1 if m.group(2) == "s" else 1000)
 
 
@@ -113,16 +122,27 @@ def plan_command(req: PlanRequest) -> PlanOutput:
     """The plan, or one line naming what to relax."""
     _check(req)
     shape = load_model_shape(req.model)
-    context = req.prompt_tokens + req.output_tokens
-    limit = shape.arch.max_context
-    if limit and context > limit:
-        raise InputError(f"--prompt-tokens {req.prompt_tokens} + --output-tokens {req.output_tokens} = {context:,} tokens exceeds "
-                         f"{shape.name}'s context of {limit:,}: shorten the prompt to at most {limit - req.output_tokens:,} tokens")
+    check_context(shape, req.prompt_tokens, req.output_tokens, "--prompt-tokens", "--output-tokens")
     gpus = [resolve_gpu(g) for g in req.gpus] if req.gpus else list(catalog().values())
     if req.variants is not None:
         variants, budget = read_variants(req.variants, shape)
     else:
         variants, budget = [model_variant(shape, kv_cache=kv) for kv in req.kv_cache], None
+    return plan_variants(req, shape, variants, budget, gpus)
+
+
+def check_context(shape: ModelShape, prompt: int, output: int, prompt_name: str, output_name: str) -> None:
+    """Refuse, in one line naming the fields, a prompt and answer longer than the model's context."""
+    context, limit = prompt + output, shape.arch.max_context
+    if limit and context > limit:
+        raise InputError(f"{prompt_name} {prompt} + {output_name} {output} = {context:,} tokens exceeds "
+                         f"{shape.name}'s context of {limit:,}: shorten the prompt to at most {limit - output:,} tokens")
+
+
+def plan_variants(req: PlanRequest, shape: ModelShape, variants: list[PlanVariant], budget: str | None, gpus: list[GPU]) -> PlanOutput:
+    """The plan for ``variants`` of ``shape`` on ``gpus`` (a recipe job plans its recommended
+    variant this way); a request no candidate meets gets one line naming what to relax."""
+    context = req.prompt_tokens + req.output_tokens
     load = Load(req.users, req.prompt_tokens, req.output_tokens, req.prefix_share)
     targets = Targets(req.ttft, req.tpot, req.percentile)
     candidates = plan_candidates(shape, variants, gpus, load, targets)

@@ -27,19 +27,25 @@ from runner.fit.model_shape import ModelShape
 BANDWIDTH_UTILISATION = 0.8
 FLOPS_UTILISATION = 0.5
 STEP_OVERHEAD = 0.002  # seconds per step outside the kernels: scheduling, sampling, launches (CUDA graphs)
+# Seconds per running sequence per step outside the kernels (its slot in the batch's layout, its
+# sampler row, its streamed chunk): negligible beside a GPU's kernels, so 0 by default; a CPU
+# engine's Python bookkeeping, calibrated by bench/plan_validation.py, is not (docs/plan.md).
+SEQUENCE_OVERHEAD = 0.0
 ALLREDUCE_LATENCY = 10e-6  # seconds per all-reduce on NVLink-class links, whatever its size
 
 
 @dataclass(frozen=True)
 class Device:
     """One model copy's hardware: ``tp`` GPUs of one type with tensor parallelism, and the shares
-    of their peaks it reaches. bench/plan_validation.py builds one from a CPU's measured numbers."""
+    of their peaks it reaches. bench/plan_validation.py builds one from a CPU's measured numbers,
+    with an engine's constants calibrated there."""
 
     gpu: GPU
     tp: int = 1
     bandwidth_utilisation: float = BANDWIDTH_UTILISATION
     flops_utilisation: float = FLOPS_UTILISATION
     step_overhead: float = STEP_OVERHEAD
+    sequence_overhead: float = SEQUENCE_OVERHEAD
 
     @property
     def bandwidth(self) -> float:
@@ -110,16 +116,18 @@ class ModelWork:
         return 4 * heads * a.head_dim * queries * spans
 
 
-def step_seconds(work: ModelWork, device: Device, decode: int, decode_context: float, chunk: float = 0.0,
-                 chunk_context: float = 0.0) -> float:
+def step_seconds(work: ModelWork, device: Device, decode: float, decode_context: float, chunk: float = 0.0,
+                 chunk_context: float = 0.0, prompts: float = 1.0) -> float:
     """One step: ``decode`` sequences each adding a token over ``decode_context`` cached tokens,
-    and a prefill chunk of ``chunk`` tokens whose queries see ``chunk_context`` tokens on average
-    (what came before in the prompt, the prefix cache's included, plus half the chunk: causal)."""
+    and prefill chunks of ``chunk`` tokens in all, from ``prompts`` prompts, whose queries see
+    ``chunk_context`` tokens on average (what came before in the prompt, the prefix cache's
+    included, plus half the chunk: causal)."""
     tokens = decode + chunk
-    read = work.weights_read(int(round(tokens))) + decode * work.kv_read(decode_context) + (work.kv_read(chunk_context) if chunk else 0.0)
+    read = work.weights_read(int(round(tokens))) + decode * work.kv_read(decode_context) + (prompts * work.kv_read(chunk_context) if chunk else 0.0)
     flops = work.linear_flops(tokens) + work.attention_flops(decode, decode_context) + work.attention_flops(chunk, chunk_context)
     kernels = max(read / device.bandwidth, flops / device.flops)
-    return kernels + allreduce_seconds(work, device, tokens) + device.step_overhead
+    sequences = decode + (prompts if chunk else 0.0)
+    return kernels + allreduce_seconds(work, device, tokens) + device.step_overhead + device.sequence_overhead * sequences
 
 
 def allreduce_seconds(work: ModelWork, device: Device, tokens: float) -> float:

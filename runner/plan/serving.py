@@ -4,7 +4,9 @@ chunked prefill on one model copy, or by separate prefill and decode pools.
 
 Co-located (Sarathi-Serve, vLLM's chunked prefill): every step carries one decode token of each
 running sequence; while a prompt waits, the step also carries a chunk of it, filling the step's
-token budget. Prompts are prefilled one after another, first come first served. So:
+token budget. Prompts that fit the step's room two or more at a time share steps (``_batched``:
+a Poisson number per step, measured against vLLM CPU and our server by
+bench/plan_validation.py); longer ones are prefilled one after another, first come first served:
 
 - TTFT = the wait for the prompts ahead + the prompt's own chunks, each a *mixed* step;
 - TPOT = the mean step: a mixed step when some prompt is being prefilled (a share ρ of the time,
@@ -104,10 +106,17 @@ def _closed_loop(users: int, service: float, servers: int, after_first: float) -
 
 def colocated(work: ModelWork, device: Device, load: Load, chunk: int) -> Prediction | None:
     """One copy serving ``load`` with chunked prefill of at most ``chunk`` tokens a step (decode
-    tokens included, as vLLM's max_num_batched_tokens); None when the decode tokens alone fill it."""
+    tokens included, as vLLM's max_num_batched_tokens); None when the decode tokens alone fill it.
+    Prompts short enough that several fit a step's room share steps (``batched``); longer ones
+    are prefilled one after another, a chunk a step."""
+    decode = float(load.users)
+    if chunk - math.ceil(decode) < 1:
+        return None
+    batched = _batched(work, device, load, chunk)
+    if batched is not None:
+        return batched
     new, cached = load.new_tokens, load.prompt - load.new_tokens
     decode_context = load.prompt + load.output / 2
-    decode = float(load.users)
     rate = t_dec = t_mix = service = mean_step = 0.0
     for _ in range(40):
         budget = chunk - math.ceil(decode)
@@ -131,6 +140,71 @@ def colocated(work: ModelWork, device: Device, load: Load, chunk: int) -> Predic
     ttft99 = service + min(wait_quantile(rho, service, 0.99), ahead)
     return Prediction(ttft50, ttft99, mean_step, tpot99, end_to_end(ttft50, mean_step, load.output),
                       end_to_end(ttft99, tpot99, load.output), rate * load.output, decode, rho, t_dec, t_mix, chunk)
+
+
+def _batched(work: ModelWork, device: Device, load: Load, chunk: int) -> Prediction | None:
+    """Prompts that share steps: vLLM's scheduler and ours fill a step's token budget with every
+    waiting prompt that fits, so a prompt never queues behind another while the step has room.
+
+    In the closed loop a request is sent as another finishes, at the end of a step; by the time it
+    reaches the server, the next step (the other users' decode) is under way, so it waits for that
+    step, then is prefilled whole in the one after, with the prompts of the others that arrived
+    meanwhile: TTFT is those two steps (one, for a single user, whose server is idle). A step
+    carries on average ``m = rate x step`` prompts (Poisson); a request's own O-1 decode steps
+    carry the other users' prompts, ``m (users-1)/users`` each on average, and its TPOT is their
+    mean. Solved with the decode batch (Little's law) by fixed point. None where two prompts do
+    not fit the room the decode tokens leave, or the prompts that arrive in a step at p99 would
+    not: then they queue, as ``colocated`` models them one after another."""
+    new, cached = load.new_tokens, load.prompt - load.new_tokens
+    if 2 * new > chunk - 1:
+        return None
+    decode_context, chunk_context = load.prompt + load.output / 2, cached + new / 2
+    others = (load.users - 1) / load.users
+
+    def step(decode: float, prompts: float) -> float:
+        return step_seconds(work, device, decode, decode_context, prompts * new, chunk_context, prompts)
+
+    decode, rate, per_step, ttft, tpot = float(load.users), 0.0, 0.0, 0.0, 0.0
+    for _ in range(60):
+        costs = _StepCosts(step(decode, 0), step(decode, 1), step(decode, 2))
+        lo, hi = 0.0, float(load.users)
+        for _ in range(50):  # the prompts per step at which users = rate x (TTFT + (O-1) TPOT)
+            per_step = (lo + hi) / 2
+            rate = per_step / costs.mean(per_step)  # m prompts arrive during a step of the mean length
+            tpot = costs.mean(per_step * others)
+            ttft = costs.carrying(per_step * others) + (tpot if load.users > 1 else 0.0)
+            lo, hi = (per_step, hi) if rate * end_to_end(ttft, tpot, load.output) < load.users else (lo, per_step)
+        following = min(rate * (load.output - 1) * tpot, load.users - 1e-9)
+        if abs(following - decode) < 1e-4:
+            break
+        decode = 0.5 * decode + 0.5 * following
+    peak = per_step + Z99 * math.sqrt(per_step)
+    if (1 + peak) * new > chunk - math.ceil(decode) or new > (chunk - math.ceil(decode)) / 2:
+        return None
+    busy = min(peak, load.users - 1) * others
+    ttft99 = costs.carrying(busy) + (costs.mean(busy) if load.users > 1 else 0.0)
+    tpot99 = costs.mean((per_step + Z99 * math.sqrt(per_step / max(load.output - 1, 1))) * others)
+    return Prediction(ttft, ttft99, tpot, tpot99, end_to_end(ttft, tpot, load.output), end_to_end(ttft99, tpot99, load.output),
+                      rate * load.output, decode, min(1.0, rate * (costs.one - costs.none)), costs.none, costs.one, chunk)
+
+
+@dataclass(frozen=True)
+class _StepCosts:
+    """A step's seconds at one decode batch with no prompt, one, and two: affine from one prompt on
+    (compute-bound), not below it, where a decode step can be bound by its reads instead."""
+
+    none: float
+    one: float
+    two: float
+
+    def carrying(self, others: float) -> float:
+        """A step with one prompt and ``others`` more on average."""
+        return self.one + others * (self.two - self.one)
+
+    def mean(self, m: float) -> float:
+        """The mean step when the prompts it carries are Poisson of mean ``m``."""
+        some = 1 - math.exp(-m)  # P(at least one)
+        return self.none + some * (self.one - self.none) + (m - some) * (self.two - self.one)
 
 
 def _mixed_share(rho: float, t_dec: float, t_mix: float) -> float:

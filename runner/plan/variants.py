@@ -59,20 +59,29 @@ def read_variants(run: Path, shape: ModelShape) -> tuple[list[PlanVariant], str 
         raise InputError(f"--variants {run}: no report.json there (give a recipe run's output folder)")
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        raise InputError(f"{path}: not a quantbench report.json (no 'variants' list)") from None
+    return report_variants(report, path.parent, shape, str(path))
+
+
+def report_variants(report: dict, base: Path, shape: ModelShape, where: str) -> tuple[list[PlanVariant], str | None]:
+    """``read_variants`` of a report already in memory (``Report.as_dict()``), its files relative
+    to ``base``; ``where`` names it in errors. The recipe job plans its own report this way,
+    before report.json is written."""
+    try:
         rows, recommendation = report["variants"], report.get("recommendation") or {}
         misses = recommendation.get("misses") or {}
         budget = recommendation.get("budget")
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise InputError(f"{path}: not a quantbench report.json (no 'variants' list)") from None
-    base = path.parent
+    except (KeyError, TypeError, AttributeError):
+        raise InputError(f"{where}: not a quantbench report.json (no 'variants' list)") from None
     out = []
     for i, row in enumerate(rows):
         try:
             out.append(_variant(row, shape, base, misses.get(row["name"], []), i == 0))
         except (KeyError, TypeError, ValueError) as e:
-            raise InputError(f"{path}: variant {i}: unreadable ({e})") from None
+            raise InputError(f"{where}: variant {i}: unreadable ({e})") from None
     if not out:
-        raise InputError(f"{path}: no variants")
+        raise InputError(f"{where}: no variants")
     words = ", ".join(f"{k} {v:g}" for k, v in budget.items() if v is not None) if isinstance(budget, dict) else None
     return out, words or None
 
