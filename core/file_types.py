@@ -43,12 +43,20 @@ FILE_TYPES: dict[str, FileType] = {
         FileType("Q5_K_S", 16, "Q5_K"),
         FileType("Q5_K_M", 17, "Q5_K"),
         FileType("Q6_K", 18, "Q6_K"),
+        FileType("IQ4_NL", 25, "IQ4_NL"),
+        FileType("IQ4_XS", 30, "IQ4_XS"),
+        FileType("TQ1_0", 36, "TQ1_0"),
+        FileType("TQ2_0", 37, "TQ2_0"),
+        FileType("MXFP4_MOE", 38, "MXFP4"),
     )
 }
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 # When a row does not split into the chosen type's blocks (newer llama.cpp's fallbacks).
-_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_0"}
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_0", "IQ4_XS": "IQ4_NL",
+             "TQ1_0": "Q4_0", "TQ2_0": "Q4_0"}
+_TERNARY = ("TQ1_0", "TQ2_0")
+_IQ4 = ("IQ4_NL", "IQ4_XS")
 
 # llama.cpp picks a tensor's rule by its GGUF name; these are the Hugging Face names that map to
 # each. ffn_down covers dense, expert (``ffn_down_exps``) and shared-expert down projections alike.
@@ -94,7 +102,7 @@ def tensor_types(file_type: str, tensors: list[tuple[str, tuple[int, ...]]], arc
         elif ft.base in FLOAT_TYPES:
             types[name] = ft.base
         else:
-            chosen = _choose(ft, _role(name, has_output), _layer(name), model, shape[-1], has_imatrix)
+            chosen = _choose(ft, _role(name, has_output), _layer(name), model, shape, has_imatrix)
             types[name] = _fit_rows(chosen, shape[-1])
     return types
 
@@ -128,12 +136,16 @@ def _layer(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def _choose(ft: FileType, role: str, i: int, m: _Model, row: int, has_imatrix: bool) -> str:
-    name, base, n = ft.name, ft.base, m.n_layers
+def _choose(ft: FileType, role: str, i: int, m: _Model, shape: tuple[int, ...], has_imatrix: bool) -> str:
+    name, base, n, row = ft.name, ft.base, m.n_layers, shape[-1]
     if role == "output":
-        if row % 256:
+        if name == "MXFP4_MOE" or row % block_size(base):
             return "Q8_0"
         return base if base == "Q8_0" else "Q6_K"
+    if name == "MXFP4_MOE":  # MXFP4 for the stacked experts (3-D), Q8_0 for every other tensor
+        return base if len(shape) > 2 else "Q8_0"
+    if role == "token_embd":
+        return "Q4_K" if name in _TERNARY else base
     if role == "attn_v":
         chosen = _attn_v(name, base, i, m)
         if m.is_70b and chosen in ("Q3_K", "Q4_K"):  # 8 query heads share each V: more bits cost little
@@ -142,7 +154,7 @@ def _choose(ft: FileType, role: str, i: int, m: _Model, row: int, has_imatrix: b
     if role == "attn_k" and m.n_expert == 8:
         return "Q8_0"
     if role == "attn_output" and m.n_expert == 8:
-        return "Q5_K" if name in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M") else base
+        return "Q5_K" if name in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", *_IQ4) else base
     if role == "ffn_down":
         if name == "Q2_K":
             return "Q3_K"
@@ -153,6 +165,8 @@ def _choose(ft: FileType, role: str, i: int, m: _Model, row: int, has_imatrix: b
         if name in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, n):
             return "Q6_K"
         if name == "Q4_K_S" and i < n // 8:
+            return "Q5_K"
+        if name in _IQ4 and not has_imatrix and i < n // 8:
             return "Q5_K"
         if name in ("Q4_0", "Q5_0") and has_imatrix and i < n // 8:
             return "Q4_1" if name == "Q4_0" else "Q5_1"
@@ -176,6 +190,8 @@ def _attn_v(name: str, base: str, i: int, m: _Model) -> str:
     if name in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, m.n_layers):
         return "Q6_K"
     if name == "Q4_K_S" and i < 4:
+        return "Q5_K"
+    if name in _IQ4 and m.n_gqa >= 4:
         return "Q5_K"
     return base
 

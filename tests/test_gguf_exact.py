@@ -1,7 +1,10 @@
-"""Our GGUF K-quant files against llama.cpp's own quantizer, tensor by tensor: same type, same bytes.
+"""Our GGUF files against llama.cpp's own quantizer, tensor by tensor: same type, same bytes.
 
 llama.cpp quantizes our F32 GGUF of the same checkpoint (what `llama-quantize` does); with an
-importance matrix, both sides get the same one, computed from the bundled calibration text.
+importance matrix, both sides get the same one, computed from the bundled calibration text. The
+models: the bundled tiny and ref ones, SmolLM2 (real weights, hidden size 576, so 256-blocks fall
+back), and a random "wide" one whose widths are multiples of 256 with 8 layers and 4 query heads per
+KV head, so that IQ4_XS's super-blocks and the i-quant file types' layer and GQA rules all show.
 """
 
 import pytest
@@ -19,9 +22,11 @@ from formats.gguf import gguf_name  # noqa: E402
 from formats.hf import HFCheckpoint, load_tokenizer  # noqa: E402
 from recipes.importance import model_imatrix  # noqa: E402
 from recipes.variants import build_variant, gguf_variant  # noqa: E402
+from helpers.model_zoo import make_model  # noqa: E402
 from helpers.smollm2 import smollm2_checkpoint  # noqa: E402
 
-FILE_TYPES_CHECKED = ["Q4_K_M", "Q4_K_S", "Q5_K_M", "Q6_K", "Q8_0", "Q3_K_M", "Q2_K"]
+FILE_TYPES_CHECKED = ["Q4_K_M", "Q4_K_S", "Q5_K_M", "Q6_K", "Q8_0", "Q3_K_M", "Q2_K",
+                      "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4_MOE"]
 REF = BUNDLED.parents[2] / "shared" / "models" / "ref"
 
 
@@ -33,11 +38,14 @@ def tensors(path):
 CHECK_CASES = {"test_every_tensor_matches_llama_quantize[tiny-Q4_K_M-imatrix]"}
 
 
-@pytest.fixture(scope="module", params=["tiny", "ref", "smollm2"])
+@pytest.fixture(scope="module", params=["tiny", "ref", "smollm2", "wide"])
 def model(request, tmp_path_factory):
     """(checkpoint, work folder, our F32 GGUF for llama.cpp to quantize, importance matrix)."""
     if request.param == "smollm2":
         path = smollm2_checkpoint()  # real pretrained weights; hidden 576 exercises the row fallbacks
+    elif request.param == "wide":
+        path = make_model(tmp_path_factory.mktemp("wide-model"), "llama", num_hidden_layers=8, num_key_value_heads=1,
+                          intermediate_size=768)
     else:
         path = TINY if request.param == "tiny" else REF
     if not path.is_dir():
