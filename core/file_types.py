@@ -45,6 +45,8 @@ FILE_TYPES: dict[str, FileType] = {
         FileType("Q6_K", 18, "Q6_K"),
         FileType("IQ4_NL", 25, "IQ4_NL"),
         FileType("IQ4_XS", 30, "IQ4_XS"),
+        FileType("IQ3_S", 26, "IQ3_S"),
+        FileType("IQ3_M", 27, "IQ3_S"),
         FileType("TQ1_0", 36, "TQ1_0"),
         FileType("TQ2_0", 37, "TQ2_0"),
         FileType("MXFP4_MOE", 38, "MXFP4"),
@@ -53,7 +55,7 @@ FILE_TYPES: dict[str, FileType] = {
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 # When a row does not split into the chosen type's blocks (newer llama.cpp's fallbacks).
-_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_0", "IQ4_XS": "IQ4_NL",
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_0", "IQ4_XS": "IQ4_NL", "IQ3_S": "IQ4_NL",
              "TQ1_0": "Q4_0", "TQ2_0": "Q4_0"}
 _TERNARY = ("TQ1_0", "TQ2_0")
 _IQ4 = ("IQ4_NL", "IQ4_XS")
@@ -154,7 +156,7 @@ def _choose(ft: FileType, role: str, i: int, m: _Model, shape: tuple[int, ...], 
     if role == "attn_k" and m.n_expert == 8:
         return "Q8_0"
     if role == "attn_output" and m.n_expert == 8:
-        return "Q5_K" if name in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", *_IQ4) else base
+        return "Q5_K" if name in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ3_S", "IQ3_M", *_IQ4) else base
     if role == "ffn_down":
         if name == "Q2_K":
             return "Q3_K"
@@ -166,6 +168,8 @@ def _choose(ft: FileType, role: str, i: int, m: _Model, shape: tuple[int, ...], 
             return "Q6_K"
         if name == "Q4_K_S" and i < n // 8:
             return "Q5_K"
+        if name == "IQ3_M" and (i < n // 8 or (m.n_expert == 8 and use_more_bits(i, n))):
+            return "Q4_K"
         if name in _IQ4 and not has_imatrix and i < n // 8:
             return "Q5_K"
         if name in ("Q4_0", "Q5_0") and has_imatrix and i < n // 8:
@@ -173,7 +177,7 @@ def _choose(ft: FileType, role: str, i: int, m: _Model, shape: tuple[int, ...], 
     if role == "attn_output":
         if name == "Q2_K":
             return "Q3_K"
-        if name == "Q3_K_M":
+        if name in ("Q3_K_M", "IQ3_M"):
             return "Q4_K"
         if name == "Q3_K_L":
             return "Q5_K"
@@ -193,6 +197,8 @@ def _attn_v(name: str, base: str, i: int, m: _Model) -> str:
         return "Q5_K"
     if name in _IQ4 and m.n_gqa >= 4:
         return "Q5_K"
+    if name == "IQ3_M" or (name == "IQ3_S" and m.n_gqa >= 4):
+        return "Q4_K"
     return base
 
 

@@ -3,8 +3,8 @@
 The payloads made here are what the GGUF writer stores verbatim, and their dequantized values are
 what the in-memory evaluation of the same variant uses, so the report and the file agree. Each ggml
 type is one class in the registry of ``quant.ggml.types``: the K-quant encoders and the legacy
-types' importance-matrix path and IQ4_NL/IQ4_XS are byte-exact ports of llama.cpp's
-(``kquant_affine``, ``kquant_symmetric``, ``legacy``, ``iquant_nl``); the float types, Q8_0, TQ1_0,
+types' importance-matrix path, IQ4_NL/IQ4_XS and IQ3_S are byte-exact ports of llama.cpp's
+(``kquant_affine``, ``kquant_symmetric``, ``legacy``, ``iquant_nl``, ``iquant_lattice``); the float types, Q8_0, TQ1_0,
 TQ2_0, MXFP4 and the legacy types without an importance matrix come from the ``gguf`` package,
 which is byte-exact for them.
 """
@@ -17,7 +17,7 @@ import torch
 from core.errors import InputError
 from core.file_types import FILE_TYPES, tensor_types
 from core.tensors import GGMLTensor
-from quant.ggml import iquant_nl, kquant_affine, kquant_symmetric, legacy  # noqa: F401  (importing a family registers its types)
+from quant.ggml import iquant_lattice, iquant_nl, kquant_affine, kquant_symmetric, legacy  # noqa: F401  (importing a family registers its types)
 from quant.ggml.types import type_named, type_names
 from quant.ggml.workers import by_row_blocks
 

@@ -6,7 +6,7 @@ llama.cpp's quantizer takes for it. ``quant.ggml.encode`` looks types up here an
 adding a type is one class (docs/extending.md). The float types, Q8_0, TQ1_0, TQ2_0 and MXFP4 come
 from gguf-py, which is byte-exact for them (tests/test_iquants.py pins the last three); the
 families we port ourselves define their classes beside their encoders (``kquant_affine``,
-``kquant_symmetric``, ``legacy``, ``iquant_nl``), and importing ``quant.ggml`` registers them.
+``kquant_symmetric``, ``legacy``, ``iquant_nl``, ``iquant_lattice``), and importing ``quant.ggml`` registers them.
 """
 
 from __future__ import annotations
