@@ -47,6 +47,7 @@ FILE_TYPES: dict[str, FileType] = {
         FileType("IQ4_XS", 30, "IQ4_XS"),
         FileType("IQ3_S", 26, "IQ3_S"),
         FileType("IQ3_M", 27, "IQ3_S"),
+        FileType("IQ3_XS", 22, "IQ3_S"),
         FileType("TQ1_0", 36, "TQ1_0"),
         FileType("TQ2_0", 37, "TQ2_0"),
         FileType("MXFP4_MOE", 38, "MXFP4"),
@@ -55,7 +56,7 @@ FILE_TYPES: dict[str, FileType] = {
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 # When a row does not split into the chosen type's blocks (newer llama.cpp's fallbacks).
-_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_0", "IQ4_XS": "IQ4_NL", "IQ3_S": "IQ4_NL",
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_0", "IQ4_XS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ3_XXS": "IQ4_NL",
              "TQ1_0": "Q4_0", "TQ2_0": "Q4_0"}
 _TERNARY = ("TQ1_0", "TQ2_0")
 _IQ4 = ("IQ4_NL", "IQ4_XS")
@@ -71,7 +72,13 @@ _ROLES = (
     # Phi-3's fused projection: llama.cpp gives attn_qkv the rules of attn_v (category_is_attn_v)
     (re.compile(r"self_attn\.qkv_proj\.weight$"), "attn_v"),
     (re.compile(r"\.(down_proj|w2)\.weight$"), "ffn_down"),
+    (re.compile(r"self_attn\.q_proj\.weight$"), "attn_q"),
+    (re.compile(r"\.(gate_proj|w1)\.weight$"), "ffn_gate"),
+    (re.compile(r"\.(up_proj|gate_up_proj|w3)\.weight$"), "ffn_up"),  # Phi-3's fused gate_up is GGUF's ffn_up
 )
+# The types llama.cpp quantizes only with an importance matrix (tensor_requires_imatrix), except in
+# the token embedding and the output head.
+_NEEDS_IMATRIX = ("IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 # A mixture-of-experts router (GGUF ffn_gate_inp) stays as converted, F32: llama.cpp never quantizes it.
 _ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.gate\.weight$")
@@ -156,7 +163,11 @@ def _choose(ft: FileType, role: str, i: int, m: _Model, shape: tuple[int, ...], 
     if role == "attn_k" and m.n_expert == 8:
         return "Q8_0"
     if role == "attn_output" and m.n_expert == 8:
-        return "Q5_K" if name in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ3_S", "IQ3_M", *_IQ4) else base
+        return "Q5_K" if name in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ3_XS", "IQ3_S", "IQ3_M", *_IQ4) else base
+    if name == "IQ3_XS" and role in ("attn_k", "attn_q"):
+        return "IQ3_XXS"
+    if name == "IQ3_XS" and role in ("ffn_gate", "ffn_up") and n // 8 <= i < 7 * n // 8:
+        return "IQ3_XXS"
     if role == "ffn_down":
         if name == "Q2_K":
             return "Q3_K"
@@ -197,9 +208,15 @@ def _attn_v(name: str, base: str, i: int, m: _Model) -> str:
         return "Q5_K"
     if name in _IQ4 and m.n_gqa >= 4:
         return "Q5_K"
-    if name == "IQ3_M" or (name == "IQ3_S" and m.n_gqa >= 4):
+    if name == "IQ3_M" or (name in ("IQ3_XS", "IQ3_S") and m.n_gqa >= 4):
         return "Q4_K"
     return base
+
+
+def imatrix_required_by(types: dict[str, str]) -> str | None:
+    """The first tensor (HF name) whose ggml type llama.cpp makes only with an importance matrix
+    (``tensor_requires_imatrix``), or None: llama-quantize refuses such a file without one."""
+    return next((name for name, t in types.items() if t in _NEEDS_IMATRIX and _role(name, True) not in ("output", "token_embd")), None)
 
 
 def _fit_rows(ggml_type: str, row: int) -> str:

@@ -17,6 +17,7 @@ from gguf import GGUFReader  # noqa: E402
 
 from conftest import BUNDLED, TINY  # noqa: E402
 from calib.text import token_windows  # noqa: E402
+from core.errors import InputError  # noqa: E402
 from core.file_types import FILE_TYPES  # noqa: E402
 from formats.gguf import gguf_name  # noqa: E402
 from formats.hf import HFCheckpoint, load_tokenizer  # noqa: E402
@@ -26,7 +27,8 @@ from helpers.model_zoo import make_model  # noqa: E402
 from helpers.smollm2 import smollm2_checkpoint  # noqa: E402
 
 FILE_TYPES_CHECKED = ["Q4_K_M", "Q4_K_S", "Q5_K_M", "Q6_K", "Q8_0", "Q3_K_M", "Q2_K",
-                      "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M", "TQ1_0", "TQ2_0", "MXFP4_MOE"]
+                      "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M", "IQ3_XS", "TQ1_0", "TQ2_0", "MXFP4_MOE"]
+NEED_IMATRIX = {"IQ3_XS"}  # llama.cpp refuses these without an importance matrix
 REF = BUNDLED.parents[2] / "shared" / "models" / "ref"
 
 
@@ -63,6 +65,12 @@ def model(request, tmp_path_factory):
 def test_every_tensor_matches_llama_quantize(model, file_type, with_imatrix):
     ckpt, folder, f32, imatrix = model
     tag = f"{file_type}-{'imatrix' if with_imatrix else 'ref'}"
+    if file_type in NEED_IMATRIX and not with_imatrix:
+        with pytest.raises(RuntimeError):
+            ggml_oracle.llama_quantize_file(f32, folder / f"llama-{tag}.gguf", FILE_TYPES[file_type].id)
+        with pytest.raises(InputError, match="needs an importance matrix"):
+            build_variant(ckpt, gguf_variant(file_type), folder, gguf_path=folder / f"ours-{tag}.gguf")
+        return
     ours = build_variant(ckpt, gguf_variant(file_type, with_imatrix), folder,
                          imatrix=imatrix if with_imatrix else None, gguf_path=folder / f"ours-{tag}.gguf").files[0]
     by_gguf_name = {gguf_name(n, ckpt.arch): v for n, v in imatrix.items()} if with_imatrix else None

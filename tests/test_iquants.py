@@ -1,6 +1,6 @@
-"""IQ4_NL, IQ4_XS, IQ3_S, TQ1_0, TQ2_0 and MXFP4: byte-exact against llama.cpp's own quantizer, block by block.
+"""IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, TQ1_0, TQ2_0 and MXFP4: byte-exact against llama.cpp's own quantizer, block by block.
 
-IQ4_NL, IQ4_XS (quant/ggml/iquant_nl.py) and IQ3_S (quant/ggml/iquant_lattice.py) are our ports,
+IQ4_NL, IQ4_XS (quant/ggml/iquant_nl.py), IQ3_S and IQ3_XXS (quant/ggml/iquant_lattice.py) are our ports,
 with and without an importance matrix;
 TQ1_0, TQ2_0 and MXFP4 come from gguf-py, which we rely on only because these tests pin it to
 llama.cpp's bytes, and llama.cpp reads no importance matrix for them (pinned here too). Rows are
@@ -26,7 +26,7 @@ from helpers.ggml_oracle import available, ggml_quantize
 from quant.ggml import iquant_nl, lattice
 from quant.ggml.types import type_named
 
-PORTED = ["IQ4_NL", "IQ4_XS", "IQ3_S"]
+PORTED = ["IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS"]
 FROM_GGUF = ["TQ1_0", "TQ2_0", "MXFP4"]
 needs_oracle = pytest.mark.skipif(not available(), reason="llama-cpp-python's libggml-base is not installed")
 
@@ -82,6 +82,7 @@ CASES = {
     "bf16_exact": lambda rng: torch.from_numpy(_heavy(rng).astype(np.float32)).to(torch.bfloat16).float().numpy(),
     # rows around ggml's 1e-15 threshold: some blocks all zero to the search, some not
     "tiny": lambda rng: _scaled(1.0)(rng) * 10.0 ** rng.uniform(-17, -13, (ROWS, 1)),
+    "small": lambda rng: _scaled(1.0)(rng) * 10.0 ** rng.uniform(-10, -6, (ROWS, 1)),  # IQ3_XXS's 1e-8 threshold
     "subnormal": _scaled(1e-39),
     "huge": _scaled(1e25),  # x² overflows float32: the search meets inf and NaN, which ggml's scans skip
     "real_weights": _real_weights,
@@ -107,7 +108,7 @@ def _quantize(qtype: str, x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("imatrix", [False, True], ids=["ref", "imatrix"])
 def test_bytes_match_llama_cpp(imatrix: bool, case: str, qtype: str) -> None:
-    if case == "huge" and qtype == "IQ3_S":
+    if case == "huge" and qtype.startswith("IQ3"):
         pytest.skip("llama.cpp aborts: every neighbour's error is inf (GGML_ASSERT in iq3_find_best_neighbour)")
     x = _data(case)
     qw = random_imatrix(x.shape[1]) if imatrix else None
@@ -177,7 +178,7 @@ def test_decoded_error_is_what_the_bits_allow(qtype: str) -> None:
     x = _data("gaussian")
     back = dequantize(_quantize(qtype, x, None), GGMLQuantizationType[qtype])
     rel = np.sqrt(np.mean((back - x) ** 2) / np.mean(x**2))
-    assert rel < {"IQ4_NL": 0.08, "IQ4_XS": 0.08, "IQ3_S": 0.17, "MXFP4": 0.13, "TQ1_0": 0.85, "TQ2_0": 0.85}[qtype], rel
+    assert rel < {"IQ4_NL": 0.08, "IQ4_XS": 0.08, "IQ3_S": 0.17, "IQ3_XXS": 0.23, "MXFP4": 0.13, "TQ1_0": 0.85, "TQ2_0": 0.85}[qtype], rel
 
 
 @pytest.mark.parametrize("qtype", PORTED)
@@ -201,3 +202,11 @@ def test_the_iq3_s_lattice_is_llama_cpps() -> None:
     d2 = ((grid.points[np.maximum(cand, 0)] - levels[:, None, :]) ** 2).sum(axis=2)
     d2 = np.where(cand >= 0, d2, np.iinfo(np.int64).max)
     assert (np.diff(d2, axis=1) >= 0).all()
+
+
+def test_a_recipe_takes_the_new_file_types() -> None:
+    """``{method: gguf, type: IQ4_XS, imatrix: true}``: the recipe's field lists every file type."""
+    from recipes.methods.gguf import GGUFWeights
+
+    for name in ("IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M", "IQ3_XS", "TQ1_0", "TQ2_0", "MXFP4_MOE"):
+        assert GGUFWeights.model_validate({"method": "gguf", "type": name, "imatrix": True}).type == name

@@ -1,4 +1,5 @@
-"""IQ3_S: llama.cpp's 3-bit lattice type, byte for byte as ``quantize_iq3_s`` writes it.
+"""IQ3_S and IQ3_XXS: llama.cpp's 3-bit lattice types, byte for byte as ``quantize_iq3_s`` and
+``quantize_iq3_xxs`` write them.
 
 Why it exists: at about 3.44 bits per weight it keeps more than Q3_K by storing magnitudes in
 groups of 4 as one of 512 grid points (quant/ggml/lattice.py) and signs separately, so every code
@@ -22,10 +23,15 @@ A block of all zeros is skipped without advancing the write position of its code
 (ggml's ``continue`` before ``qs += ...``): the next blocks' codes move up into its place and the
 super-block's last slots stay zero, while the 9th bits (``qh``) are indexed by block. The bytes
 keep that too.
+
+IQ3_XXS (3.06 bits per weight) runs the same search on a 256-point grid, with 31 tries (is in
+−15..15), a zero threshold of 1e-8, and 7 sign bits per group of 8 (see ``IQ3_XXS.pack``); its
+``d`` is stored as ``d·1.0125``. llama.cpp makes it only with an importance matrix in a file.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import numpy as np
@@ -92,11 +98,12 @@ def _round_levels(iscale: np.ndarray, xval: np.ndarray, top: int) -> np.ndarray:
     return np.clip(nearest_int(F32(0.5) * (iscale * xval - F32(1))), 0, top).astype(np.int64)
 
 
-class IQ3_S(PortedType, qtype=GGMLQuantizationType.IQ3_S):
-    """d (fp16), the low 8 bits of 64 grid indices, their 9th bits (8 bytes), 32 bytes of signs, and
-    eight 4-bit block scales."""
+class _Lattice3(PortedType):
+    """A 3-bit lattice type: blocks of 32 searched on a grid of groups of 4 (``_search``), stored
+    with their signs by ``pack``."""
 
-    groups: ClassVar[int] = 4  # values per grid point
+    lattice: ClassVar[Callable[[], lattice.Lattice]]
+    steps: ClassVar[range]  # the search's ``is``: inverse scales (15 + 0.2·is)/max
 
     @classmethod
     def encode_rows(cls, x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
@@ -107,7 +114,6 @@ class IQ3_S(PortedType, qtype=GGMLQuantizationType.IQ3_S):
     @classmethod
     def encode_chunk(cls, x: np.ndarray, qw_b: np.ndarray | None) -> np.ndarray:
         rows, n = x.shape
-        grid = lattice.iq3_s()
         xb = x.reshape(rows, -1, BLOCK)  # [rows, blocks, 32]
         if qw_b is None:
             w = xb * xb
@@ -116,58 +122,119 @@ class IQ3_S(PortedType, qtype=GGMLQuantizationType.IQ3_S):
             sigma2 = F32(2) * seqsum(per_super * per_super) / F32(QK_K)  # [rows, super-blocks]
             w = qw_b * np.sqrt(np.repeat(sigma2, QK_K // BLOCK, axis=1)[..., None] + xb * xb)
         blocks = rows * (n // BLOCK)
-        xb, w = xb.reshape(blocks, BLOCK), w.reshape(blocks, BLOCK)
+        return cls.pack(rows, n // QK_K, cls.lattice(), xb.reshape(blocks, BLOCK), w.reshape(blocks, BLOCK))
+
+
+class IQ3_S(_Lattice3, qtype=GGMLQuantizationType.IQ3_S):
+    """d (fp16), the low 8 bits of 64 grid indices, their 9th bits (8 bytes), 32 bytes of signs, and
+    eight 4-bit block scales."""
+
+    lattice, steps = staticmethod(lattice.iq3_s), range(-9, 10)
+
+    @staticmethod
+    def pack(rows: int, supers: int, grid: lattice.Lattice, xb: np.ndarray, w: np.ndarray) -> np.ndarray:
         positive = xb >= 0
         xval = np.where(positive, xb, -xb)
-        scale, levels, signs = _fit_blocks(grid, xval, w, positive)
-        index = grid.index[grid.pack(levels.reshape(blocks, -1, cls.groups))]  # [blocks, 8]
-        return _pack(rows, n // QK_K, scale, index, signs, xval.max(axis=1) != 0)
+        mx = xval.max(axis=1)
+        scale, L = _search(grid, xval, w, IQ3_S.steps, mx == 0, start_on_grid=False, redo_blocks=True)
+        signs = np.packbits(~positive.reshape(len(xb), -1, 8), axis=2, bitorder="little")[..., 0]  # [blocks, 4]
+        flip = scale < 0  # only with negative importance: ggml flips the scale and every sign
+        signs = np.where(flip[:, None], ~signs, signs)
+        index = grid.index[grid.pack(L.reshape(len(xb), -1, 4))]  # [blocks, 8]
+        return _pack(rows, supers, np.abs(scale), index, signs, mx != 0)
 
 
-def _fit_blocks(grid: lattice.Lattice, xval: np.ndarray, w: np.ndarray,
-                positive: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each block's scale, levels ``[blocks, 32]`` and sign bytes ``[blocks, 4]`` (ggml's search)."""
+class IQ3_XXS(_Lattice3, qtype=GGMLQuantizationType.IQ3_XXS):
+    """d (fp16), 64 grid indices of the 256-point grid, then per block a uint32 of four 7-bit sign
+    groups and the 4-bit block scale (bits 28..31)."""
+
+    lattice, steps = staticmethod(lattice.iq3_xxs), range(-15, 16)
+
+    @staticmethod
+    def pack(rows: int, supers: int, grid: lattice.Lattice, xb: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """Signs are stored 7 to a group of 8, the 8th implied by even parity: a group with an odd
+        number of negatives flips its element of least ``w·x²`` (the first such), whose magnitude
+        the search then sees negated, as in ggml."""
+        blocks = len(xb)
+        negative = ~(xb >= 0).reshape(blocks, 4, 8)
+        xval = np.abs(xb).reshape(blocks, 4, 8)
+        odd = negative.sum(axis=2) % 2 == 1
+        flipped = (np.arange(8) == np.argmin((w * xb * xb).reshape(blocks, 4, 8), axis=2)[..., None]) & odd[..., None]
+        xval = np.where(flipped, -xval, xval).reshape(blocks, BLOCK)
+        signs = np.packbits(negative ^ flipped, axis=2, bitorder="little")[..., 0] & 127  # [blocks, 4]
+        mx = xval.max(axis=1)
+        zero = mx < _EPS_IQ3_XXS
+        scale, L = _search(grid, xval, w, IQ3_XXS.steps, zero, start_on_grid=True, redo_blocks=False)
+        signs = np.where((scale < 0)[:, None], ~signs & 127, signs)  # only with negative importance
+        scale = np.abs(scale)
+        index = np.where(zero[:, None], 0, grid.index[grid.pack(L.reshape(blocks, -1, 4))]).astype(np.uint8)
+        signs[zero] = 0
+        scales = scale.reshape(rows, supers, -1)
+        max_scale = scales.max(axis=2)
+        d = max_scale / F32(31)
+        inv = np.divide(F32(1), d, out=np.zeros_like(d), where=max_scale > 0)
+        l = np.clip(nearest_int(F32(0.5) * (inv[..., None] * scales - F32(1))), 0, 15).astype(np.uint32)
+        s4 = signs.astype(np.uint32).reshape(rows, supers, -1, 4)
+        words = s4[..., 0] | s4[..., 1] << 7 | s4[..., 2] << 14 | s4[..., 3] << 21 | l << 28
+        empty = max_scale == 0  # ggml clears the whole super-block
+        words[empty] = 0
+        qs = index.reshape(rows, supers, -1)
+        qs[empty] = 0
+        stored_d = np.where(empty, ZERO, d * F32(1.0125))
+        return np.concatenate([f16_bytes(stored_d), qs, words.astype("<u4").view(np.uint8).reshape(rows, supers, -1)], axis=2)
+
+
+_EPS_IQ3_XXS = F32(1e-8)  # ggml's GROUP_MAX_EPS_IQ3_XXS: a block whose largest magnitude is below is zero
+
+
+def _search(grid: lattice.Lattice, xval: np.ndarray, w: np.ndarray, steps: range, zero: np.ndarray,
+            start_on_grid: bool, redo_blocks: bool) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's search over blocks ``[blocks, 32]`` of magnitudes ``xval`` with weights ``w``: each
+    block's signed scale (0 for the ``zero`` blocks) and levels (int64, on the grid).
+
+    After the tries, the groups the best try left off the grid are rounded again at the best scale
+    (``redo_blocks``: IQ3_S rounds every group of such a block again; IQ3_XXS only those groups,
+    and counts a block no try improved as on the grid, ``start_on_grid``).
+    """
     blocks = len(xval)
     groups = (blocks, BLOCK // 4, 4)
     xval4, waux4 = xval.reshape(groups), np.sqrt(w).reshape(groups)
     wx_e, w_e = np.ascontiguousarray((w * xval).T), np.ascontiguousarray(w.T)  # element-major sums
-    mx = xval.max(axis=1)
-    zero = mx == 0
-    mx = np.where(zero, F32(1), mx)
+    mx = np.where(zero, F32(1), xval.max(axis=1))
 
-    def fit(iscale: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        levels = _round_levels(iscale[:, None, None], xval4, 7)
-        index, on_grid = grid_levels(grid, levels, xval4, waux4, np.broadcast_to(scale[:, None], groups[:2]))
-        L = grid.points[index].reshape(blocks, BLOCK).astype(F32)
+    def sums(L: np.ndarray, sel: slice | np.ndarray = slice(None)) -> tuple[np.ndarray, np.ndarray]:
         q = (F32(2) * L + F32(1)).T
-        return seqsum(wx_e * q), seqsum(w_e * q * q), L, on_grid
+        return seqsum(wx_e[:, sel] * q), seqsum(w_e[:, sel] * q * q)
 
     scale = mx / F32(15)
     best = np.zeros(blocks, dtype=F32)
     L = np.zeros((blocks, BLOCK), dtype=F32)
-    on_grid = np.zeros(groups[:2], dtype=bool)
-    for step in range(-9, 10):
+    on_grid = np.full(groups[:2], start_on_grid)
+    for step in steps:
         iscale = (F32(15) + F32(step) * F32(0.2)) / mx
-        sumqx, sumq2, L_try, on_try = fit(iscale, F32(1) / iscale)
+        levels = _round_levels(iscale[:, None, None], xval4, 7)
+        index, on_try = grid_levels(grid, levels, xval4, waux4, np.broadcast_to((F32(1) / iscale)[:, None], groups[:2]))
+        L_try = grid.points[index].reshape(blocks, BLOCK).astype(F32)
+        sumqx, sumq2 = sums(L_try)
         better = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
         scale = np.where(better, sumqx / sumq2, scale)
         best = np.where(better, scale * sumqx, best)
         L[better], on_grid[better] = L_try[better], on_try[better]
-    again = np.flatnonzero(~on_grid.all(axis=1) & (scale > 0))
+    redo = ~on_grid & (scale > 0)[:, None]
+    if redo_blocks:
+        redo = np.broadcast_to(redo.any(axis=1, keepdims=True), redo.shape)
+    again = np.flatnonzero(redo.any(axis=1))
     if again.size:
-        sub = scale[again]
-        levels = _round_levels((F32(1) / sub)[:, None, None], xval4[again], 7)
-        index, _ = grid_levels(grid, levels, xval4[again], waux4[again], np.broadcast_to(sub[:, None], (again.size, groups[1])))
-        L[again] = grid.points[index].reshape(again.size, BLOCK)
-        q = (F32(2) * L[again] + F32(1)).T
-        sumqx, sumq2 = seqsum(wx_e[:, again] * q), seqsum(w_e[:, again] * q * q)
-        scale[again] = np.where(sumq2 > 0, sumqx / np.where(sumq2 > 0, sumq2, F32(1)), sub)
-    signs = np.packbits(~positive.reshape(blocks, -1, 8), axis=2, bitorder="little")[..., 0]  # [blocks, 4]
-    flip = scale < 0  # only with negative importance: ggml flips the scale and every sign
-    scale = np.where(flip, -scale, scale)
-    signs = np.where(flip[:, None], ~signs, signs)
+        g = np.nonzero(redo)  # (block, group) of every group rounded again
+        sub = scale[g[0]]
+        levels = _round_levels((F32(1) / sub)[:, None], xval4[g], 7)
+        index, _ = grid_levels(grid, levels, xval4[g], waux4[g], sub)
+        L4 = L.reshape(groups)
+        L4[g] = grid.points[index]
+        sumqx, sumq2 = sums(L[again], again)
+        scale[again] = np.where(sumq2 > 0, sumqx / np.where(sumq2 > 0, sumq2, F32(1)), scale[again])
     scale[zero] = 0
-    return scale, L.astype(np.int64), signs
+    return scale, L.astype(np.int64)
 
 
 def _pack(rows: int, supers: int, scale: np.ndarray, index: np.ndarray, signs: np.ndarray,
