@@ -48,6 +48,8 @@ FILE_TYPES: dict[str, FileType] = {
         FileType("IQ3_S", 26, "IQ3_S"),
         FileType("IQ3_M", 27, "IQ3_S"),
         FileType("IQ3_XS", 22, "IQ3_S"),
+        FileType("IQ2_XS", 20, "IQ2_XS"),
+        FileType("IQ2_XXS", 19, "IQ2_XXS"),
         FileType("TQ1_0", 36, "TQ1_0"),
         FileType("TQ2_0", 37, "TQ2_0"),
         FileType("MXFP4_MOE", 38, "MXFP4"),
@@ -56,9 +58,11 @@ FILE_TYPES: dict[str, FileType] = {
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 # When a row does not split into the chosen type's blocks (newer llama.cpp's fallbacks).
-_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_0", "IQ4_XS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ3_XXS": "IQ4_NL",
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_0", "IQ4_XS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ3_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL", "IQ2_XXS": "IQ4_NL",
              "TQ1_0": "Q4_0", "TQ2_0": "Q4_0"}
 _TERNARY = ("TQ1_0", "TQ2_0")
+# llama.cpp's "very low-bit" file types, with rules of their own (Q5_K head, Q2_K embedding, ...)
+_LOW_BIT = ("IQ2_XXS", "IQ2_XS")
 _IQ4 = ("IQ4_NL", "IQ4_XS")
 
 # llama.cpp picks a tensor's rule by its GGUF name; these are the Hugging Face names that map to
@@ -150,11 +154,13 @@ def _choose(ft: FileType, role: str, i: int, m: _Model, shape: tuple[int, ...], 
     if role == "output":
         if name == "MXFP4_MOE" or row % block_size(base):
             return "Q8_0"
-        return base if base == "Q8_0" else "Q6_K"
+        return "Q5_K" if name in _LOW_BIT else base if base == "Q8_0" else "Q6_K"
     if name == "MXFP4_MOE":  # MXFP4 for the stacked experts (3-D), Q8_0 for every other tensor
         return base if len(shape) > 2 else "Q8_0"
     if role == "token_embd":
-        return "Q4_K" if name in _TERNARY else base
+        return "Q4_K" if name in _TERNARY else "Q2_K" if name in _LOW_BIT else base
+    if name in _LOW_BIT:
+        return _low_bit(role, i, m, base)
     if role == "attn_v":
         chosen = _attn_v(name, base, i, m)
         if m.is_70b and chosen in ("Q3_K", "Q4_K"):  # 8 query heads share each V: more bits cost little
@@ -192,6 +198,19 @@ def _choose(ft: FileType, role: str, i: int, m: _Model, shape: tuple[int, ...], 
             return "Q4_K"
         if name == "Q3_K_L":
             return "Q5_K"
+    return base
+
+
+def _low_bit(role: str, i: int, m: _Model, base: str) -> str:
+    """The IQ2 file types' rules, which replace the others (no 70B or 8-expert attn_v bump)."""
+    if role == "attn_v":
+        return "Q4_K" if m.n_gqa >= 4 or m.n_expert >= 4 else "Q2_K"
+    if role == "attn_k" and m.n_expert == 8:
+        return "Q4_K"
+    if role == "ffn_down" and i < m.n_layers // 8:
+        return "Q2_K"
+    if role == "attn_output" and m.n_expert == 8:
+        return "Q5_K"
     return base
 
 

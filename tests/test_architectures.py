@@ -52,8 +52,14 @@ def test_gguf_bytes_equal_llama_quantize_of_our_f32_file(zoo, tmp_path, name, fi
 
     ckpt = HFCheckpoint.open(zoo[name])
     f32 = build_variant(ckpt, gguf_variant("F32"), tmp_path, gguf_path=tmp_path / "f32.gguf").files[0]
-    ours = build_variant(ckpt, gguf_variant(file_type), tmp_path, gguf_path=tmp_path / "ours.gguf").files[0]
     theirs = tmp_path / "theirs.gguf"
+    try:
+        ours = build_variant(ckpt, gguf_variant(file_type), tmp_path, gguf_path=tmp_path / "ours.gguf").files[0]
+    except InputError as e:  # a file type llama.cpp makes only with an importance matrix: it refuses too
+        assert "needs an importance matrix" in str(e)
+        with pytest.raises(RuntimeError):
+            ggml_oracle.llama_quantize_file(f32, theirs, TYPES[file_type].id)
+        return
     ggml_oracle.llama_quantize_file(f32, theirs, TYPES[file_type].id)
     a = {t.name: (t.tensor_type.name, bytes(t.data)) for t in GGUFReader(ours).tensors}
     b = {t.name: (t.tensor_type.name, bytes(t.data)) for t in GGUFReader(theirs).tensors}

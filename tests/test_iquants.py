@@ -1,7 +1,8 @@
-"""IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, TQ1_0, TQ2_0 and MXFP4: byte-exact against llama.cpp's own quantizer, block by block.
+"""IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, TQ1_0, TQ2_0 and MXFP4: byte-exact against llama.cpp's own quantizer, block by block.
 
-IQ4_NL, IQ4_XS (quant/ggml/iquant_nl.py), IQ3_S and IQ3_XXS (quant/ggml/iquant_lattice.py) are our ports,
-with and without an importance matrix;
+IQ4_NL, IQ4_XS (quant/ggml/iquant_nl.py), IQ3_S, IQ3_XXS, IQ2_XXS and IQ2_XS
+(quant/ggml/iquant_lattice.py) are our ports, with and without an importance matrix (the IQ2 types
+only with one, as llama.cpp);
 TQ1_0, TQ2_0 and MXFP4 come from gguf-py, which we rely on only because these tests pin it to
 llama.cpp's bytes, and llama.cpp reads no importance matrix for them (pinned here too). Rows are
 1024 wide so that IQ4_XS's super-blocks of 256 hold several blocks of 32.
@@ -26,7 +27,8 @@ from helpers.ggml_oracle import available, ggml_quantize
 from quant.ggml import iquant_nl, lattice
 from quant.ggml.types import type_named
 
-PORTED = ["IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS"]
+PORTED = ["IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS"]
+ONLY_WITH_IMATRIX = {"IQ2_XXS", "IQ2_XS"}  # ggml asserts an importance matrix
 FROM_GGUF = ["TQ1_0", "TQ2_0", "MXFP4"]
 needs_oracle = pytest.mark.skipif(not available(), reason="llama-cpp-python's libggml-base is not installed")
 
@@ -108,7 +110,9 @@ def _quantize(qtype: str, x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("imatrix", [False, True], ids=["ref", "imatrix"])
 def test_bytes_match_llama_cpp(imatrix: bool, case: str, qtype: str) -> None:
-    if case == "huge" and qtype.startswith("IQ3"):
+    if imatrix is False and qtype in ONLY_WITH_IMATRIX:
+        pytest.skip("llama.cpp's quantizer asserts an importance matrix for this type")
+    if case == "huge" and qtype.startswith(("IQ3", "IQ2")):
         pytest.skip("llama.cpp aborts: every neighbour's error is inf (GGML_ASSERT in iq3_find_best_neighbour)")
     x = _data(case)
     qw = random_imatrix(x.shape[1]) if imatrix else None
@@ -176,9 +180,10 @@ def test_decoded_error_is_what_the_bits_allow(qtype: str) -> None:
     this data) at the same or fewer bits, which is what their non-linear levels are for; ternary
     types keep about a fifth of the signal. A wrong layout would decode to noise (error 1 or more)."""
     x = _data("gaussian")
-    back = dequantize(_quantize(qtype, x, None), GGMLQuantizationType[qtype])
+    flat = np.ones(COLS, np.float32) if qtype in ONLY_WITH_IMATRIX else None
+    back = dequantize(_quantize(qtype, x, flat), GGMLQuantizationType[qtype])
     rel = np.sqrt(np.mean((back - x) ** 2) / np.mean(x**2))
-    assert rel < {"IQ4_NL": 0.08, "IQ4_XS": 0.08, "IQ3_S": 0.17, "IQ3_XXS": 0.23, "MXFP4": 0.13, "TQ1_0": 0.85, "TQ2_0": 0.85}[qtype], rel
+    assert rel < {"IQ4_NL": 0.08, "IQ4_XS": 0.08, "IQ3_S": 0.17, "IQ3_XXS": 0.23, "IQ2_XXS": 0.4, "IQ2_XS": 0.35, "MXFP4": 0.13, "TQ1_0": 0.85, "TQ2_0": 0.85}[qtype], rel
 
 
 @pytest.mark.parametrize("qtype", PORTED)
@@ -187,6 +192,9 @@ def test_rejects_bad_input(qtype: str) -> None:
         type_named(qtype).quantize(np.zeros((2, 48), np.float32))
     with pytest.raises(ValueError, match="NaN or Inf"):
         type_named(qtype).quantize(np.full((1, 256), np.nan, np.float32))
+    if qtype in ONLY_WITH_IMATRIX:
+        with pytest.raises(ValueError, match="needs an importance matrix"):
+            type_named(qtype).quantize(np.ones((1, 256), np.float32))
 
 
 def test_the_iq3_s_lattice_is_llama_cpps() -> None:
@@ -195,10 +203,11 @@ def test_the_iq3_s_lattice_is_llama_cpps() -> None:
     grid = lattice.iq3_s()
     assert grid.points.shape == (512, 4) and len({tuple(p) for p in grid.points}) == 512
     off = grid.index < 0
-    assert off.sum() == 4096 - 512 and (grid.counts[off] > 0).all() and (grid.counts[~off] == 0).all()
+    assert off.sum() == 4096 - 512 and (grid.row[off] >= 0).all() and (grid.row[~off] == -1).all()
     codes = np.flatnonzero(off)
+    assert (grid.counts[grid.row[codes]] > 0).all()
     levels = (codes[:, None] >> (3 * np.arange(4))) & 7
-    cand = grid.neighbours[codes]
+    cand = grid.neighbours[grid.row[codes]]
     d2 = ((grid.points[np.maximum(cand, 0)] - levels[:, None, :]) ** 2).sum(axis=2)
     d2 = np.where(cand >= 0, d2, np.iinfo(np.int64).max)
     assert (np.diff(d2, axis=1) >= 0).all()
@@ -208,5 +217,5 @@ def test_a_recipe_takes_the_new_file_types() -> None:
     """``{method: gguf, type: IQ4_XS, imatrix: true}``: the recipe's field lists every file type."""
     from recipes.methods.gguf import GGUFWeights
 
-    for name in ("IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M", "IQ3_XS", "TQ1_0", "TQ2_0", "MXFP4_MOE"):
+    for name in ("IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M", "IQ3_XS", "IQ2_XS", "IQ2_XXS", "TQ1_0", "TQ2_0", "MXFP4_MOE"):
         assert GGUFWeights.model_validate({"method": "gguf", "type": name, "imatrix": True}).type == name

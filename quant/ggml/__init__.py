@@ -3,7 +3,7 @@
 The payloads made here are what the GGUF writer stores verbatim, and their dequantized values are
 what the in-memory evaluation of the same variant uses, so the report and the file agree. Each ggml
 type is one class in the registry of ``quant.ggml.types``: the K-quant encoders and the legacy
-types' importance-matrix path, IQ4_NL/IQ4_XS, IQ3_S and IQ3_XXS are byte-exact ports of llama.cpp's
+types' importance-matrix path, IQ4_NL/IQ4_XS and the IQ3/IQ2 lattice types are byte-exact ports of llama.cpp's
 (``kquant_affine``, ``kquant_symmetric``, ``legacy``, ``iquant_nl``, ``iquant_lattice``); the float types, Q8_0, TQ1_0,
 TQ2_0, MXFP4 and the legacy types without an importance matrix come from the ``gguf`` package,
 which is byte-exact for them.

@@ -1,5 +1,5 @@
-"""IQ3_S and IQ3_XXS: llama.cpp's 3-bit lattice types, byte for byte as ``quantize_iq3_s`` and
-``quantize_iq3_xxs`` write them.
+"""IQ3_S, IQ3_XXS, IQ2_XXS and IQ2_XS: llama.cpp's lattice types, byte for byte as its
+``quantize_iq3_s``, ``quantize_iq3_xxs``, ``quantize_iq2_xxs`` and ``quantize_iq2_xs`` write them.
 
 Why it exists: at about 3.44 bits per weight it keeps more than Q3_K by storing magnitudes in
 groups of 4 as one of 512 grid points (quant/ggml/lattice.py) and signs separately, so every code
@@ -27,11 +27,18 @@ keep that too.
 IQ3_XXS (3.06 bits per weight) runs the same search on a 256-point grid, with 31 tries (is in
 −15..15), a zero threshold of 1e-8, and 7 sign bits per group of 8 (see ``IQ3_XXS.pack``); its
 ``d`` is stored as ``d·1.0125``. llama.cpp makes it only with an importance matrix in a file.
+
+IQ2_XXS (2.06 bits) and IQ2_XS (2.31 bits) are the same search on 8-value groups of levels 0..2
+(256 and 512 grid points, 2 distances of neighbours), with sigma2 = Σx²/256, the parity signs of
+IQ3_XXS, and ``Search`` constants of their own; IQ2_XXS starts from ``make_qp_quants``' scale, IQ2_XS
+works on blocks of 16. ggml asserts an importance matrix for both, so their encoders refuse to run
+without one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -40,6 +47,7 @@ from gguf import GGMLQuantizationType
 from quant.ggml import lattice
 from quant.ggml.numerics import F32, ZERO, f16_bytes, nearest_int, seqsum
 from quant.ggml.rows import encode_by_rows
+from quant.ggml.search import qp_quants
 from quant.ggml.types import PortedType
 
 QK_K = 256
@@ -57,13 +65,14 @@ def best_neighbours(grid: lattice.Lattice, codes: np.ndarray, xval: np.ndarray, 
     buckets of similar counts, each as wide as its longest list rather than the longest of all.
     """
     out = np.empty(len(codes), dtype=np.int32)
-    counts = grid.counts[codes]
+    rows = grid.row[codes]
+    counts = grid.counts[rows]
     for low, high in _BUCKETS:
         sel = np.flatnonzero((counts > low) & (counts <= high))
         if sel.size == 0:
             continue
         width = min(high, grid.neighbours.shape[1])
-        c = codes[sel]
+        c = rows[sel]
         cand = grid.neighbours[c, :width]  # [m, width], −1 padded
         q = grid.neighbour_values[c, :, :width]  # [m, n, width]
         s = scale[sel, None]
@@ -76,7 +85,7 @@ def best_neighbours(grid: lattice.Lattice, codes: np.ndarray, xval: np.ndarray, 
     return out
 
 
-_BUCKETS = ((0, 4), (4, 8), (8, 16), (16, 1 << 30))  # (fewer than, at most) neighbours
+_BUCKETS = ((0, 4), (4, 8), (8, 16), (16, 32), (32, 64), (64, 1 << 30))  # (fewer than, at most) neighbours
 
 
 def grid_levels(grid: lattice.Lattice, levels: np.ndarray, xval: np.ndarray, w: np.ndarray,
@@ -98,139 +107,234 @@ def _round_levels(iscale: np.ndarray, xval: np.ndarray, top: int) -> np.ndarray:
     return np.clip(nearest_int(F32(0.5) * (iscale * xval - F32(1))), 0, top).astype(np.int64)
 
 
-class _Lattice3(PortedType):
-    """A 3-bit lattice type: blocks of 32 searched on a grid of groups of 4 (``_search``), stored
-    with their signs by ``pack``."""
+@dataclass(frozen=True)
+class Search:
+    """How a lattice type searches a block (the constants of its ``quantize_row_*_impl``)."""
+
+    steps: range  # the tries' ``is``: inverse scales (center + delta·is)/max
+    delta: float
+    center: int  # 2·kMaxQ − 1
+    top: int  # the largest level, kMaxQ − 1
+    eps: float  # a block whose largest magnitude is below this is zero
+    start_on_grid: bool  # a block no try improved counts as on the grid (IQ3_XXS, IQ2_XS)
+    redo: str  # after the tries, round again: "groups" off the grid, their whole "blocks", or "always" every block
+
+
+class _LatticeType(PortedType):
+    """A lattice type: blocks of ``block`` values searched on a grid (``_search``), then packed with
+    their signs by ``pack``; ``sigma2_factor`` is the 2 of IQ3's ``sigma2 = 2·Σx²/256`` (IQ2: 1)."""
 
     lattice: ClassVar[Callable[[], lattice.Lattice]]
-    steps: ClassVar[range]  # the search's ``is``: inverse scales (15 + 0.2·is)/max
+    search: ClassVar[Search]
+    block: ClassVar[int] = 32
+    sigma2_factor: ClassVar[int] = 2
+    needs_imatrix: ClassVar[bool] = False  # ggml asserts it has one
 
     @classmethod
     def encode_rows(cls, x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+        if qw is None and cls.needs_imatrix:
+            raise ValueError(f"{cls.name} needs an importance matrix (llama.cpp's quantizer asserts one)")
         n = x.shape[1]
-        qw_b = None if qw is None else qw.reshape(-1, BLOCK)  # [blocks per row, 32]
+        qw_b = None if qw is None else qw.reshape(-1, cls.block)  # [blocks per row, block]
         return encode_by_rows(x, n // QK_K * cls.type_size, _CHUNK_ELEMENTS, lambda chunk: cls.encode_chunk(chunk, qw_b))
 
     @classmethod
     def encode_chunk(cls, x: np.ndarray, qw_b: np.ndarray | None) -> np.ndarray:
         rows, n = x.shape
-        xb = x.reshape(rows, -1, BLOCK)  # [rows, blocks, 32]
+        xb = x.reshape(rows, -1, cls.block)  # [rows, blocks, block]
         if qw_b is None:
             w = xb * xb
         else:
             per_super = np.ascontiguousarray(x.reshape(rows, -1, QK_K).transpose(2, 0, 1))
-            sigma2 = F32(2) * seqsum(per_super * per_super) / F32(QK_K)  # [rows, super-blocks]
-            w = qw_b * np.sqrt(np.repeat(sigma2, QK_K // BLOCK, axis=1)[..., None] + xb * xb)
-        blocks = rows * (n // BLOCK)
-        return cls.pack(rows, n // QK_K, cls.lattice(), xb.reshape(blocks, BLOCK), w.reshape(blocks, BLOCK))
+            sigma2 = F32(cls.sigma2_factor) * seqsum(per_super * per_super) / F32(QK_K)  # [rows, super-blocks]
+            w = qw_b * np.sqrt(np.repeat(sigma2, QK_K // cls.block, axis=1)[..., None] + xb * xb)
+        blocks = rows * (n // cls.block)
+        return cls.pack(rows, n // QK_K, cls.lattice(), xb.reshape(blocks, cls.block), w.reshape(blocks, cls.block))
+
+    @classmethod
+    def fit(cls, grid: lattice.Lattice, xval: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(scale ≥ 0, grid index per group, the blocks whose scale ggml flipped, the zero blocks
+        ggml skips) from the search started at ``max/center`` over the largest magnitude."""
+        mx = xval.max(axis=1)
+        zero = mx < F32(cls.search.eps) if cls.search.eps else mx == 0
+        return _finish(grid, *_search(grid, xval, w, cls.search, mx, mx / F32(cls.search.center), zero), zero)
 
 
-class IQ3_S(_Lattice3, qtype=GGMLQuantizationType.IQ3_S):
+def _finish(grid: lattice.Lattice, scale: np.ndarray, L: np.ndarray, zero: np.ndarray) -> tuple[np.ndarray, ...]:
+    n = grid.points.shape[1]
+    index = np.where(zero[:, None], 0, grid.index[grid.pack(L.reshape(len(L), -1, n))])
+    return np.abs(scale), index, scale < 0, zero  # a negative scale (only with negative importance) flips the signs
+
+
+def _parity_signs(xb: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Magnitudes and 7-bit sign bytes per group of 8, the 8th sign implied by even parity.
+
+    A group with an odd number of negatives flips the sign of its element of least ``w·x²`` (the
+    first such), whose magnitude the search then sees negated, as ggml does.
+    """
+    blocks, size = xb.shape
+    negative = ~(xb >= 0).reshape(blocks, -1, 8)
+    xval = np.abs(xb).reshape(blocks, -1, 8)
+    odd = negative.sum(axis=2) % 2 == 1
+    flipped = (np.arange(8) == np.argmin((w * xb * xb).reshape(blocks, -1, 8), axis=2)[..., None]) & odd[..., None]
+    signs = np.packbits(negative ^ flipped, axis=2, bitorder="little")[..., 0] & 127
+    return np.where(flipped, -xval, xval).reshape(blocks, size), signs
+
+
+def _super_scales(scale: np.ndarray, rows: int, supers: int, bits: int = 4) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``d = max scale/31`` per super-block, each block's ``nearest_int(0.5·(scale/d − 1))`` in
+    0..15, and which super-blocks are empty (max scale 0: ggml clears them)."""
+    scales = scale.reshape(rows, supers, -1)
+    max_scale = scales.max(axis=2)
+    d = max_scale / F32(31)
+    inv = np.divide(F32(1), d, out=np.zeros_like(d), where=max_scale > 0)
+    l = np.clip(nearest_int(F32(0.5) * (inv[..., None] * scales - F32(1))), 0, (1 << bits) - 1).astype(np.uint32)
+    return d, l, max_scale == 0
+
+
+_IQ3 = dict(center=15, top=7, delta=0.2)
+
+
+class IQ3_S(_LatticeType, qtype=GGMLQuantizationType.IQ3_S):
     """d (fp16), the low 8 bits of 64 grid indices, their 9th bits (8 bytes), 32 bytes of signs, and
     eight 4-bit block scales."""
 
-    lattice, steps = staticmethod(lattice.iq3_s), range(-9, 10)
+    lattice = staticmethod(lattice.iq3_s)
+    search = Search(range(-9, 10), eps=0.0, start_on_grid=False, redo="blocks", **_IQ3)
 
-    @staticmethod
-    def pack(rows: int, supers: int, grid: lattice.Lattice, xb: np.ndarray, w: np.ndarray) -> np.ndarray:
+    @classmethod
+    def pack(cls, rows: int, supers: int, grid: lattice.Lattice, xb: np.ndarray, w: np.ndarray) -> np.ndarray:
         positive = xb >= 0
         xval = np.where(positive, xb, -xb)
-        mx = xval.max(axis=1)
-        scale, L = _search(grid, xval, w, IQ3_S.steps, mx == 0, start_on_grid=False, redo_blocks=True)
+        scale, index, flip, _ = cls.fit(grid, xval, w)
         signs = np.packbits(~positive.reshape(len(xb), -1, 8), axis=2, bitorder="little")[..., 0]  # [blocks, 4]
-        flip = scale < 0  # only with negative importance: ggml flips the scale and every sign
         signs = np.where(flip[:, None], ~signs, signs)
-        index = grid.index[grid.pack(L.reshape(len(xb), -1, 4))]  # [blocks, 8]
-        return _pack(rows, supers, np.abs(scale), index, signs, mx != 0)
+        return _pack(rows, supers, scale, index, signs, xval.max(axis=1) != 0)
 
 
-class IQ3_XXS(_Lattice3, qtype=GGMLQuantizationType.IQ3_XXS):
+class IQ3_XXS(_LatticeType, qtype=GGMLQuantizationType.IQ3_XXS):
     """d (fp16), 64 grid indices of the 256-point grid, then per block a uint32 of four 7-bit sign
     groups and the 4-bit block scale (bits 28..31)."""
 
-    lattice, steps = staticmethod(lattice.iq3_xxs), range(-15, 16)
+    lattice = staticmethod(lattice.iq3_xxs)
+    search = Search(range(-15, 16), eps=1e-8, start_on_grid=True, redo="groups", **_IQ3)  # GROUP_MAX_EPS_IQ3_XXS
 
-    @staticmethod
-    def pack(rows: int, supers: int, grid: lattice.Lattice, xb: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """Signs are stored 7 to a group of 8, the 8th implied by even parity: a group with an odd
-        number of negatives flips its element of least ``w·x²`` (the first such), whose magnitude
-        the search then sees negated, as in ggml."""
-        blocks = len(xb)
-        negative = ~(xb >= 0).reshape(blocks, 4, 8)
-        xval = np.abs(xb).reshape(blocks, 4, 8)
-        odd = negative.sum(axis=2) % 2 == 1
-        flipped = (np.arange(8) == np.argmin((w * xb * xb).reshape(blocks, 4, 8), axis=2)[..., None]) & odd[..., None]
-        xval = np.where(flipped, -xval, xval).reshape(blocks, BLOCK)
-        signs = np.packbits(negative ^ flipped, axis=2, bitorder="little")[..., 0] & 127  # [blocks, 4]
-        mx = xval.max(axis=1)
-        zero = mx < _EPS_IQ3_XXS
-        scale, L = _search(grid, xval, w, IQ3_XXS.steps, zero, start_on_grid=True, redo_blocks=False)
-        signs = np.where((scale < 0)[:, None], ~signs & 127, signs)  # only with negative importance
-        scale = np.abs(scale)
-        index = np.where(zero[:, None], 0, grid.index[grid.pack(L.reshape(blocks, -1, 4))]).astype(np.uint8)
-        signs[zero] = 0
-        scales = scale.reshape(rows, supers, -1)
-        max_scale = scales.max(axis=2)
-        d = max_scale / F32(31)
-        inv = np.divide(F32(1), d, out=np.zeros_like(d), where=max_scale > 0)
-        l = np.clip(nearest_int(F32(0.5) * (inv[..., None] * scales - F32(1))), 0, 15).astype(np.uint32)
-        s4 = signs.astype(np.uint32).reshape(rows, supers, -1, 4)
+    @classmethod
+    def pack(cls, rows: int, supers: int, grid: lattice.Lattice, xb: np.ndarray, w: np.ndarray) -> np.ndarray:
+        xval, signs = _parity_signs(xb, w)
+        scale, index, flip, zero = cls.fit(grid, xval, w)
+        signs = np.where(flip[:, None], ~signs & 127, signs)
+        d, l, empty = _super_scales(scale, rows, supers)
+        s4 = np.where(zero[:, None], 0, signs).astype(np.uint32).reshape(rows, supers, -1, 4)
         words = s4[..., 0] | s4[..., 1] << 7 | s4[..., 2] << 14 | s4[..., 3] << 21 | l << 28
-        empty = max_scale == 0  # ggml clears the whole super-block
-        words[empty] = 0
-        qs = index.reshape(rows, supers, -1)
-        qs[empty] = 0
+        qs = np.where(zero[:, None], 0, index).astype(np.uint8).reshape(rows, supers, -1)
+        words[empty], qs[empty] = 0, 0
         stored_d = np.where(empty, ZERO, d * F32(1.0125))
         return np.concatenate([f16_bytes(stored_d), qs, words.astype("<u4").view(np.uint8).reshape(rows, supers, -1)], axis=2)
 
 
-_EPS_IQ3_XXS = F32(1e-8)  # ggml's GROUP_MAX_EPS_IQ3_XXS: a block whose largest magnitude is below is zero
+_IQ2 = dict(center=5, top=2, delta=0.1, eps=1e-15)
 
 
-def _search(grid: lattice.Lattice, xval: np.ndarray, w: np.ndarray, steps: range, zero: np.ndarray,
-            start_on_grid: bool, redo_blocks: bool) -> tuple[np.ndarray, np.ndarray]:
-    """ggml's search over blocks ``[blocks, 32]`` of magnitudes ``xval`` with weights ``w``: each
+class IQ2_XXS(_LatticeType, qtype=GGMLQuantizationType.IQ2_XXS):
+    """d (fp16), then per block of 32 two uint32: four 8-bit grid indices (256 points of 8), and four
+    7-bit sign groups with the 4-bit block scale. Only with an importance matrix."""
+
+    lattice = staticmethod(lattice.iq2_xxs)
+    search = Search(range(-6, 7), start_on_grid=False, redo="always", **_IQ2)
+    sigma2_factor, needs_imatrix = 1, True
+
+    @classmethod
+    def fit(cls, grid: lattice.Lattice, xval: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Started at ``make_qp_quants``' scale (levels 0..3) rather than max/5, with the tries
+        over ``3·that scale``; a block whose largest magnitude or that is 0 is zero."""
+        mx = xval.max(axis=1)
+        qp, _ = qp_quants(np.ascontiguousarray(xval.T), np.ascontiguousarray(w.T), cls.search.top + 2)
+        eff_max = qp * F32(cls.search.top + 1)
+        zero = (mx < F32(cls.search.eps)) | (eff_max <= 0)
+        return _finish(grid, *_search(grid, xval, w, cls.search, eff_max, qp, zero), zero)
+
+    @classmethod
+    def pack(cls, rows: int, supers: int, grid: lattice.Lattice, xb: np.ndarray, w: np.ndarray) -> np.ndarray:
+        xval, signs = _parity_signs(xb, w)
+        scale, index, flip, zero = cls.fit(grid, xval, w)
+        signs = np.where(flip[:, None], ~signs & 127, signs)
+        d, l, empty = _super_scales(scale, rows, supers)
+        g = np.where(zero[:, None], 0, index).astype(np.uint32).reshape(rows, supers, -1, 4)
+        s4 = np.where(zero[:, None], 0, signs).astype(np.uint32).reshape(rows, supers, -1, 4)
+        words = np.stack([g[..., 0] | g[..., 1] << 8 | g[..., 2] << 16 | g[..., 3] << 24,
+                          s4[..., 0] | s4[..., 1] << 7 | s4[..., 2] << 14 | s4[..., 3] << 21 | l << 28], axis=-1)
+        words[empty] = 0
+        stored_d = np.where(empty, ZERO, d)
+        return np.concatenate([f16_bytes(stored_d), words.astype("<u4").view(np.uint8).reshape(rows, supers, -1)], axis=2)
+
+
+class IQ2_XS(_LatticeType, qtype=GGMLQuantizationType.IQ2_XS):
+    """d (fp16), then per group of 8 a uint16 of its 9-bit grid index (512 points) and 7 sign bits,
+    then a 4-bit scale per block of 16. Only with an importance matrix."""
+
+    lattice = staticmethod(lattice.iq2_xs)
+    search = Search(range(-9, 10), start_on_grid=True, redo="groups", **_IQ2)
+    block, sigma2_factor, needs_imatrix = 16, 1, True
+
+    @classmethod
+    def pack(cls, rows: int, supers: int, grid: lattice.Lattice, xb: np.ndarray, w: np.ndarray) -> np.ndarray:
+        xval, signs = _parity_signs(xb, w)
+        scale, index, flip, zero = cls.fit(grid, xval, w)
+        signs = np.where(flip[:, None], ~signs & 127, signs)
+        d, l, empty = _super_scales(scale, rows, supers)
+        q = np.where(zero[:, None], 0, index.astype(np.uint32) | signs.astype(np.uint32) << 9).reshape(rows, supers, -1)
+        q[empty] = 0
+        l[empty] = 0
+        stored_d = np.where(empty, ZERO, d)
+        return np.concatenate([f16_bytes(stored_d), q.astype("<u2").view(np.uint8).reshape(rows, supers, -1),
+                               (l[..., 0::2] | l[..., 1::2] << 4).astype(np.uint8)], axis=2)
+
+
+def _search(grid: lattice.Lattice, xval: np.ndarray, w: np.ndarray, search: Search, top_value: np.ndarray,
+            scale0: np.ndarray, zero: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's search over blocks ``[blocks, size]`` of magnitudes ``xval`` with weights ``w``: each
     block's signed scale (0 for the ``zero`` blocks) and levels (int64, on the grid).
 
-    After the tries, the groups the best try left off the grid are rounded again at the best scale
-    (``redo_blocks``: IQ3_S rounds every group of such a block again; IQ3_XXS only those groups,
-    and counts a block no try improved as on the grid, ``start_on_grid``).
+    Try t scales the block by ``(center + delta·t)/top_value`` and rounds each group's levels,
+    moving off-grid groups to their best neighbour; the least-squares scale of the best try is
+    kept. Then groups are rounded again at that scale, as ``search.redo`` says (see ``Search``).
     """
-    blocks = len(xval)
-    groups = (blocks, BLOCK // 4, 4)
-    xval4, waux4 = xval.reshape(groups), np.sqrt(w).reshape(groups)
+    blocks, size = xval.shape
+    n = grid.points.shape[1]
+    groups = (blocks, size // n, n)
+    xval_g, waux_g = xval.reshape(groups), np.sqrt(w).reshape(groups)
     wx_e, w_e = np.ascontiguousarray((w * xval).T), np.ascontiguousarray(w.T)  # element-major sums
-    mx = np.where(zero, F32(1), xval.max(axis=1))
+    top_value = np.where(zero, F32(1), top_value)
 
     def sums(L: np.ndarray, sel: slice | np.ndarray = slice(None)) -> tuple[np.ndarray, np.ndarray]:
         q = (F32(2) * L + F32(1)).T
         return seqsum(wx_e[:, sel] * q), seqsum(w_e[:, sel] * q * q)
 
-    scale = mx / F32(15)
+    scale = np.where(zero, F32(1), scale0)
     best = np.zeros(blocks, dtype=F32)
-    L = np.zeros((blocks, BLOCK), dtype=F32)
-    on_grid = np.full(groups[:2], start_on_grid)
-    for step in steps:
-        iscale = (F32(15) + F32(step) * F32(0.2)) / mx
-        levels = _round_levels(iscale[:, None, None], xval4, 7)
-        index, on_try = grid_levels(grid, levels, xval4, waux4, np.broadcast_to((F32(1) / iscale)[:, None], groups[:2]))
-        L_try = grid.points[index].reshape(blocks, BLOCK).astype(F32)
+    L = np.zeros((blocks, size), dtype=F32)
+    on_grid = np.full(groups[:2], search.start_on_grid)
+    for step in search.steps:
+        iscale = (F32(search.center) + F32(step) * F32(search.delta)) / top_value
+        levels = _round_levels(iscale[:, None, None], xval_g, search.top)
+        index, on_try = grid_levels(grid, levels, xval_g, waux_g, np.broadcast_to((F32(1) / iscale)[:, None], groups[:2]))
+        L_try = grid.points[index].reshape(blocks, size).astype(F32)
         sumqx, sumq2 = sums(L_try)
         better = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
         scale = np.where(better, sumqx / sumq2, scale)
         best = np.where(better, scale * sumqx, best)
         L[better], on_grid[better] = L_try[better], on_try[better]
-    redo = ~on_grid & (scale > 0)[:, None]
-    if redo_blocks:
-        redo = np.broadcast_to(redo.any(axis=1, keepdims=True), redo.shape)
+    redo = {"groups": ~on_grid, "blocks": ~on_grid.all(axis=1, keepdims=True),
+            "always": np.ones((blocks, 1), dtype=bool)}[search.redo]
+    redo = np.broadcast_to(redo & ((scale > 0) & ~zero)[:, None], groups[:2])
     again = np.flatnonzero(redo.any(axis=1))
     if again.size:
         g = np.nonzero(redo)  # (block, group) of every group rounded again
         sub = scale[g[0]]
-        levels = _round_levels((F32(1) / sub)[:, None], xval4[g], 7)
-        index, _ = grid_levels(grid, levels, xval4[g], waux4[g], sub)
-        L4 = L.reshape(groups)
-        L4[g] = grid.points[index]
+        levels = _round_levels((F32(1) / sub)[:, None], xval_g[g], search.top)
+        index, _ = grid_levels(grid, levels, xval_g[g], waux_g[g], sub)
+        L.reshape(groups)[g] = grid.points[index]
         sumqx, sumq2 = sums(L[again], again)
         scale[again] = np.where(sumq2 > 0, sumqx / np.where(sumq2 > 0, sumq2, F32(1)), scale[again])
     scale[zero] = 0

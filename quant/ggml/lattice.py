@@ -26,18 +26,20 @@ class Lattice:
     """A grid of ``points [G, n]`` (levels 0..levels−1 per coordinate) with its lookup tables.
 
     ``index[u]`` is the grid index of the point whose levels, ``bits`` per coordinate, pack to u
-    (coordinate i at bit ``bits·i``), or −1 off the grid; ``neighbours[u]`` lists the grid indices
-    llama.cpp tries for an off-grid u, padded with −1.
+    (coordinate i at bit ``bits·i``), or −1 off the grid. Off-grid codes that rounding can produce
+    (every level below ``levels``) have a row ``row[u]`` of the neighbour tables: ``neighbours`` (the
+    grid indices llama.cpp tries, −1 padded), ``neighbour_values`` (their values 2·level + 1 as
+    float32, coordinate-major ``[rows, n, width]``, so a search gathers one contiguous row per code)
+    and ``counts``.
     """
 
     points: np.ndarray  # int8 [G, n]
-    index: np.ndarray  # int32 [levels**n]
-    neighbours: np.ndarray  # int32 [levels**n, most neighbours]
+    index: np.ndarray  # int32 [2**(bits·n)]
+    row: np.ndarray  # int32 [2**(bits·n)]: the code's row of the neighbour tables, −1 if none
+    neighbours: np.ndarray  # int32 [rows, width]
+    neighbour_values: np.ndarray  # float32 [rows, n, width]
+    counts: np.ndarray  # int32 [rows]
     bits: int
-    # the neighbours' values 2·level + 1 as float32, coordinate-major [levels**n, n, most neighbours]
-    # (0 for padding): a search gathers one contiguous row per code instead of a grid point per entry
-    neighbour_values: np.ndarray
-    counts: np.ndarray  # int32 [levels**n]: how many neighbours each code has (0 on the grid)
 
     def pack(self, levels: np.ndarray) -> np.ndarray:
         """``levels [..., n]`` (integers) -> the packed code u ``[...]`` (int64)."""
@@ -45,40 +47,36 @@ class Lattice:
         return (levels.astype(np.int64) << shifts).sum(axis=-1)
 
 
-def _neighbour_lists(points: np.ndarray, levels: int, bits: int, nwant: int, index: np.ndarray) -> np.ndarray:
-    """For every packed code off the grid: the grid points at its ``nwant`` smallest squared
-    distances, by (distance, grid index); −1-padded rows (rows on the grid are all −1)."""
+def _lattice(points: np.ndarray, levels: int, bits: int, nwant: int) -> Lattice:
+    """The tables of a grid: the points at the ``nwant`` smallest squared distances from each
+    reachable off-grid code, by (distance, grid index), as llama.cpp's qsort orders them."""
     n = points.shape[1]
-    off = np.flatnonzero(index < 0)
-    coords = (off[:, None] >> (bits * np.arange(n))) & ((1 << bits) - 1)  # [off-grid codes, n]
+    shifts = bits * np.arange(n)
+    index = np.full(1 << (bits * n), -1, dtype=np.int32)
+    index[(points.astype(np.int64) << shifts).sum(axis=1)] = np.arange(len(points), dtype=np.int32)
+    codes = np.arange(len(index))
+    coords = (codes[:, None] >> shifts) & ((1 << bits) - 1)
+    off = np.flatnonzero((index < 0) & (coords < levels).all(axis=1))
     d2 = np.zeros((len(off), len(points)), dtype=np.int32)
     for i in range(n):  # coordinate by coordinate, to keep the work arrays small
-        d2 += (coords[:, i : i + 1].astype(np.int32) - points[None, :, i].astype(np.int32)) ** 2
+        d2 += (coords[off, i : i + 1].astype(np.int32) - points[None, :, i].astype(np.int32)) ** 2
     order = np.argsort(d2, axis=1, kind="stable")  # ties by grid index, as llama.cpp's compare
     sorted_d2 = np.take_along_axis(d2, order, axis=1)
     # the rank of each distance among the distinct distances of its row; kept entries are a prefix
     rank = np.cumsum(np.diff(sorted_d2, axis=1, prepend=sorted_d2[:, :1]) > 0, axis=1)
     keep = rank < nwant
     width = int(keep.sum(axis=1).max())
-    out = np.full((len(index), width), -1, dtype=np.int32)
-    out[off] = np.where(keep, order, -1)[:, :width]
-    return out
-
-
-def _lattice(points: np.ndarray, levels: int, bits: int, nwant: int) -> Lattice:
-    n = points.shape[1]
-    index = np.full(1 << (bits * n), -1, dtype=np.int32)
-    shifts = bits * np.arange(n)
-    index[(points.astype(np.int64) << shifts).sum(axis=1)] = np.arange(len(points), dtype=np.int32)
-    neighbours = _neighbour_lists(points, levels, bits, nwant, index)
+    neighbours = np.where(keep, order, -1)[:, :width].astype(np.int32)
     values = np.where(neighbours[..., None] >= 0, 2 * points[np.maximum(neighbours, 0)] + 1, 0).astype(np.float32)
-    return Lattice(points.astype(np.int8), index, neighbours, bits, np.ascontiguousarray(values.transpose(0, 2, 1)),
-                   (neighbours >= 0).sum(axis=1).astype(np.int32))
+    row = np.full(len(index), -1, dtype=np.int32)
+    row[off] = np.arange(len(off), dtype=np.int32)
+    return Lattice(points.astype(np.int8), index, row, np.ascontiguousarray(neighbours),
+                   np.ascontiguousarray(values.transpose(0, 2, 1)), keep.sum(axis=1).astype(np.int32), bits)
 
 
 def _gguf_levels(qtype: GGMLQuantizationType) -> np.ndarray:
     """gguf-py's grid of a type as levels, ``[G, n]``: each value's place among the type's values
-    (IQ3_S: 1, 3, ..., 15 are levels 0..7)."""
+    (IQ3_S: 1, 3, ..., 15 are levels 0..7; the IQ2 types' 8, 25, 43 are 0..2)."""
     cls = _type_traits[qtype]
     cls.init_grid()
     values = np.asarray(cls.grid).reshape(cls.grid_shape)
@@ -95,3 +93,15 @@ def iq3_s() -> Lattice:
 def iq3_xxs() -> Lattice:
     """IQ3_XXS's 256 points of 4 coordinates of 8 levels, 2 distances."""
     return _lattice(_gguf_levels(GGMLQuantizationType.IQ3_XXS), 8, 3, nwant=2)
+
+
+@functools.cache
+def iq2_xxs() -> Lattice:
+    """IQ2_XXS's 256 points of 8 coordinates of 3 levels (2 bits each), 2 distances."""
+    return _lattice(_gguf_levels(GGMLQuantizationType.IQ2_XXS), 3, 2, nwant=2)
+
+
+@functools.cache
+def iq2_xs() -> Lattice:
+    """IQ2_XS's 512 points of 8 coordinates of 3 levels, 2 distances."""
+    return _lattice(_gguf_levels(GGMLQuantizationType.IQ2_XS), 3, 2, nwant=2)
