@@ -160,6 +160,22 @@ class _LatticeType(PortedType):
         return _finish(grid, *_search(grid, xval, w, cls.search, mx, mx / F32(cls.search.center), zero), zero)
 
 
+class _ParitySigns(_LatticeType):
+    """A lattice type storing 7 sign bits per group of 8 (IQ3_XXS and the IQ2 types)."""
+
+    @classmethod
+    def parity_fit(cls, rows: int, supers: int, grid: lattice.Lattice, xb: np.ndarray,
+                   w: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Grid indices per group and 7-bit signs per 8 (uint32, 0 in the blocks ggml skips), and
+        the super-blocks' d, 4-bit block scales and emptiness (``_super_scales``)."""
+        xval, signs = _parity_signs(xb, w)
+        scale, index, flip, zero = cls.fit(grid, xval, w)
+        signs = np.where(flip[:, None], ~signs & 127, signs)  # a negative scale flips every sign
+        index = np.where(zero[:, None], 0, index).astype(np.uint32)
+        signs = np.where(zero[:, None], 0, signs).astype(np.uint32)
+        return index, signs, *_super_scales(scale, rows, supers)
+
+
 def _finish(grid: lattice.Lattice, scale: np.ndarray, L: np.ndarray, zero: np.ndarray) -> tuple[np.ndarray, ...]:
     n = grid.points.shape[1]
     index = np.where(zero[:, None], 0, grid.index[grid.pack(L.reshape(len(L), -1, n))])
@@ -212,7 +228,7 @@ class IQ3_S(_LatticeType, qtype=GGMLQuantizationType.IQ3_S):
         return _pack(rows, supers, scale, index, signs, xval.max(axis=1) != 0)
 
 
-class IQ3_XXS(_LatticeType, qtype=GGMLQuantizationType.IQ3_XXS):
+class IQ3_XXS(_ParitySigns, qtype=GGMLQuantizationType.IQ3_XXS):
     """d (fp16), 64 grid indices of the 256-point grid, then per block a uint32 of four 7-bit sign
     groups and the 4-bit block scale (bits 28..31)."""
 
@@ -221,13 +237,10 @@ class IQ3_XXS(_LatticeType, qtype=GGMLQuantizationType.IQ3_XXS):
 
     @classmethod
     def pack(cls, rows: int, supers: int, grid: lattice.Lattice, xb: np.ndarray, w: np.ndarray) -> np.ndarray:
-        xval, signs = _parity_signs(xb, w)
-        scale, index, flip, zero = cls.fit(grid, xval, w)
-        signs = np.where(flip[:, None], ~signs & 127, signs)
-        d, l, empty = _super_scales(scale, rows, supers)
-        s4 = np.where(zero[:, None], 0, signs).astype(np.uint32).reshape(rows, supers, -1, 4)
+        index, signs, d, l, empty = cls.parity_fit(rows, supers, grid, xb, w)
+        s4 = signs.reshape(rows, supers, -1, 4)
         words = s4[..., 0] | s4[..., 1] << 7 | s4[..., 2] << 14 | s4[..., 3] << 21 | l << 28
-        qs = np.where(zero[:, None], 0, index).astype(np.uint8).reshape(rows, supers, -1)
+        qs = index.astype(np.uint8).reshape(rows, supers, -1)
         words[empty], qs[empty] = 0, 0
         stored_d = np.where(empty, ZERO, d * F32(1.0125))
         return np.concatenate([f16_bytes(stored_d), qs, words.astype("<u4").view(np.uint8).reshape(rows, supers, -1)], axis=2)
@@ -236,7 +249,7 @@ class IQ3_XXS(_LatticeType, qtype=GGMLQuantizationType.IQ3_XXS):
 _IQ2 = dict(center=5, top=2, delta=0.1, eps=1e-15)
 
 
-class IQ2_XXS(_LatticeType, qtype=GGMLQuantizationType.IQ2_XXS):
+class IQ2_XXS(_ParitySigns, qtype=GGMLQuantizationType.IQ2_XXS):
     """d (fp16), then per block of 32 two uint32: four 8-bit grid indices (256 points of 8), and four
     7-bit sign groups with the 4-bit block scale. Only with an importance matrix."""
 
@@ -256,12 +269,8 @@ class IQ2_XXS(_LatticeType, qtype=GGMLQuantizationType.IQ2_XXS):
 
     @classmethod
     def pack(cls, rows: int, supers: int, grid: lattice.Lattice, xb: np.ndarray, w: np.ndarray) -> np.ndarray:
-        xval, signs = _parity_signs(xb, w)
-        scale, index, flip, zero = cls.fit(grid, xval, w)
-        signs = np.where(flip[:, None], ~signs & 127, signs)
-        d, l, empty = _super_scales(scale, rows, supers)
-        g = np.where(zero[:, None], 0, index).astype(np.uint32).reshape(rows, supers, -1, 4)
-        s4 = np.where(zero[:, None], 0, signs).astype(np.uint32).reshape(rows, supers, -1, 4)
+        index, signs, d, l, empty = cls.parity_fit(rows, supers, grid, xb, w)
+        g, s4 = index.reshape(rows, supers, -1, 4), signs.reshape(rows, supers, -1, 4)
         words = np.stack([g[..., 0] | g[..., 1] << 8 | g[..., 2] << 16 | g[..., 3] << 24,
                           s4[..., 0] | s4[..., 1] << 7 | s4[..., 2] << 14 | s4[..., 3] << 21 | l << 28], axis=-1)
         words[empty] = 0
@@ -269,7 +278,7 @@ class IQ2_XXS(_LatticeType, qtype=GGMLQuantizationType.IQ2_XXS):
         return np.concatenate([f16_bytes(stored_d), words.astype("<u4").view(np.uint8).reshape(rows, supers, -1)], axis=2)
 
 
-class IQ2_XS(_LatticeType, qtype=GGMLQuantizationType.IQ2_XS):
+class IQ2_XS(_ParitySigns, qtype=GGMLQuantizationType.IQ2_XS):
     """d (fp16), then per group of 8 a uint16 of its 9-bit grid index (512 points) and 7 sign bits,
     then a 4-bit scale per block of 16. Only with an importance matrix."""
 
@@ -279,11 +288,8 @@ class IQ2_XS(_LatticeType, qtype=GGMLQuantizationType.IQ2_XS):
 
     @classmethod
     def pack(cls, rows: int, supers: int, grid: lattice.Lattice, xb: np.ndarray, w: np.ndarray) -> np.ndarray:
-        xval, signs = _parity_signs(xb, w)
-        scale, index, flip, zero = cls.fit(grid, xval, w)
-        signs = np.where(flip[:, None], ~signs & 127, signs)
-        d, l, empty = _super_scales(scale, rows, supers)
-        q = np.where(zero[:, None], 0, index.astype(np.uint32) | signs.astype(np.uint32) << 9).reshape(rows, supers, -1)
+        index, signs, d, l, empty = cls.parity_fit(rows, supers, grid, xb, w)
+        q = (index | signs << 9).reshape(rows, supers, -1)
         q[empty] = 0
         l[empty] = 0
         stored_d = np.where(empty, ZERO, d)
