@@ -50,6 +50,9 @@ FILE_TYPES: dict[str, FileType] = {
         FileType("IQ3_XS", 22, "IQ3_S"),
         FileType("IQ2_XS", 20, "IQ2_XS"),
         FileType("IQ2_XXS", 19, "IQ2_XXS"),
+        FileType("IQ2_S", 28, "IQ2_XS"),
+        FileType("IQ2_M", 29, "IQ2_S"),
+        FileType("IQ3_XXS", 23, "IQ3_XXS"),
         FileType("TQ1_0", 36, "TQ1_0"),
         FileType("TQ2_0", 37, "TQ2_0"),
         FileType("MXFP4_MOE", 38, "MXFP4"),
@@ -58,11 +61,11 @@ FILE_TYPES: dict[str, FileType] = {
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 # When a row does not split into the chosen type's blocks (newer llama.cpp's fallbacks).
-_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_0", "IQ4_XS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ3_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL", "IQ2_XXS": "IQ4_NL",
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_0", "IQ4_XS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ3_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ2_S": "IQ4_NL",
              "TQ1_0": "Q4_0", "TQ2_0": "Q4_0"}
 _TERNARY = ("TQ1_0", "TQ2_0")
 # llama.cpp's "very low-bit" file types, with rules of their own (Q5_K head, Q2_K embedding, ...)
-_LOW_BIT = ("IQ2_XXS", "IQ2_XS")
+_LOW_BIT = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M")
 _IQ4 = ("IQ4_NL", "IQ4_XS")
 
 # llama.cpp picks a tensor's rule by its GGUF name; these are the Hugging Face names that map to
@@ -154,24 +157,29 @@ def _choose(ft: FileType, role: str, i: int, m: _Model, shape: tuple[int, ...], 
     if role == "output":
         if name == "MXFP4_MOE" or row % block_size(base):
             return "Q8_0"
-        return "Q5_K" if name in _LOW_BIT else base if base == "Q8_0" else "Q6_K"
+        return "Q5_K" if name in (*_LOW_BIT, "IQ3_XXS") else base if base == "Q8_0" else "Q6_K"
     if name == "MXFP4_MOE":  # MXFP4 for the stacked experts (3-D), Q8_0 for every other tensor
         return base if len(shape) > 2 else "Q8_0"
     if role == "token_embd":
+        if name in ("IQ2_S", "IQ2_M", "IQ3_XXS"):
+            return "IQ3_S"
         return "Q4_K" if name in _TERNARY else "Q2_K" if name in _LOW_BIT else base
     if name in _LOW_BIT:
-        return _low_bit(role, i, m, base)
+        return _low_bit(role, i, m, base, "IQ3_S" if name in ("IQ2_S", "IQ2_M") else "Q2_K")
     if role == "attn_v":
-        chosen = _attn_v(name, base, i, m)
+        chosen = _attn_v(name, base, i, m, has_imatrix)
         if m.is_70b and chosen in ("Q3_K", "Q4_K"):  # 8 query heads share each V: more bits cost little
             chosen = "Q5_K"
         return "Q8_0" if m.n_expert == 8 else chosen  # Mixtral: a small tensor next to the experts
     if role == "attn_k" and m.n_expert == 8:
         return "Q8_0"
     if role == "attn_output" and m.n_expert == 8:
-        return "Q5_K" if name in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ3_XS", "IQ3_S", "IQ3_M", *_IQ4) else base
+        return "Q5_K" if name in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M",
+                                  *_IQ4) else base
     if name == "IQ3_XS" and role in ("attn_k", "attn_q"):
         return "IQ3_XXS"
+    if name == "IQ3_XXS" and role in ("attn_k", "attn_q"):
+        return "IQ2_S"
     if name == "IQ3_XS" and role in ("ffn_gate", "ffn_up") and n // 8 <= i < 7 * n // 8:
         return "IQ3_XXS"
     if role == "ffn_down":
@@ -185,6 +193,8 @@ def _choose(ft: FileType, role: str, i: int, m: _Model, shape: tuple[int, ...], 
             return "Q6_K"
         if name == "Q4_K_S" and i < n // 8:
             return "Q5_K"
+        if name == "IQ3_XXS" and not has_imatrix:
+            return "Q4_K" if i < n // 8 else "Q3_K"
         if name == "IQ3_M" and (i < n // 8 or (m.n_expert == 8 and use_more_bits(i, n))):
             return "Q4_K"
         if name in _IQ4 and not has_imatrix and i < n // 8:
@@ -196,25 +206,28 @@ def _choose(ft: FileType, role: str, i: int, m: _Model, shape: tuple[int, ...], 
             return "Q3_K"
         if name in ("Q3_K_M", "IQ3_M"):
             return "Q4_K"
+        if name == "IQ3_XXS":
+            return "IQ3_S"
         if name == "Q3_K_L":
             return "Q5_K"
     return base
 
 
-def _low_bit(role: str, i: int, m: _Model, base: str) -> str:
-    """The IQ2 file types' rules, which replace the others (no 70B or 8-expert attn_v bump)."""
+def _low_bit(role: str, i: int, m: _Model, base: str, more: str) -> str:
+    """The IQ2 file types' rules, which replace the others (no 70B or 8-expert attn_v bump):
+    ``more`` bits (Q2_K, or IQ3_S for IQ2_S and IQ2_M) for the tensors that need them."""
     if role == "attn_v":
-        return "Q4_K" if m.n_gqa >= 4 or m.n_expert >= 4 else "Q2_K"
+        return "Q4_K" if m.n_gqa >= 4 or m.n_expert >= 4 else more
     if role == "attn_k" and m.n_expert == 8:
         return "Q4_K"
     if role == "ffn_down" and i < m.n_layers // 8:
-        return "Q2_K"
-    if role == "attn_output" and m.n_expert == 8:
-        return "Q5_K"
+        return more
+    if role == "attn_output":
+        return "Q5_K" if m.n_expert == 8 else "IQ3_S" if more == "IQ3_S" else base
     return base
 
 
-def _attn_v(name: str, base: str, i: int, m: _Model) -> str:
+def _attn_v(name: str, base: str, i: int, m: _Model, has_imatrix: bool) -> str:
     if name == "Q2_K":
         return "Q4_K" if m.n_gqa >= 4 else "Q3_K"
     if name == "Q3_K_M":
@@ -227,8 +240,10 @@ def _attn_v(name: str, base: str, i: int, m: _Model) -> str:
         return "Q5_K"
     if name in _IQ4 and m.n_gqa >= 4:
         return "Q5_K"
-    if name == "IQ3_M" or (name in ("IQ3_XS", "IQ3_S") and m.n_gqa >= 4):
+    if name == "IQ3_M" or (name in ("IQ3_XXS", "IQ3_XS", "IQ3_S") and m.n_gqa >= 4):
         return "Q4_K"
+    if name == "IQ3_XXS":
+        return "IQ3_XXS" if has_imatrix else "IQ3_S"
     return base
 
 

@@ -27,8 +27,9 @@ from helpers.model_zoo import make_model  # noqa: E402
 from helpers.smollm2 import smollm2_checkpoint  # noqa: E402
 
 FILE_TYPES_CHECKED = ["Q4_K_M", "Q4_K_S", "Q5_K_M", "Q6_K", "Q8_0", "Q3_K_M", "Q2_K",
-                      "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M", "IQ3_XS", "IQ2_XS", "IQ2_XXS", "TQ1_0", "TQ2_0", "MXFP4_MOE"]
-NEED_IMATRIX = {"IQ3_XS", "IQ2_XS", "IQ2_XXS"}  # llama.cpp refuses these without an importance matrix
+                      "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M", "IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS",
+                      "TQ1_0", "TQ2_0", "MXFP4_MOE"]
+NEED_IMATRIX = {"IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS"}  # llama.cpp refuses these without an importance matrix
 REF = BUNDLED.parents[2] / "shared" / "models" / "ref"
 
 

@@ -1,5 +1,5 @@
-"""IQ3_S, IQ3_XXS, IQ2_XXS and IQ2_XS: llama.cpp's lattice types, byte for byte as its
-``quantize_iq3_s``, ``quantize_iq3_xxs``, ``quantize_iq2_xxs`` and ``quantize_iq2_xs`` write them.
+"""IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS and IQ2_S: llama.cpp's lattice types, byte for byte as its
+``quantize_iq3_s``, ``quantize_iq3_xxs`` and ``quantize_iq2_*`` write them.
 
 Why it exists: at about 3.44 bits per weight it keeps more than Q3_K by storing magnitudes in
 groups of 4 as one of 512 grid points (quant/ggml/lattice.py) and signs separately, so every code
@@ -32,7 +32,9 @@ IQ2_XXS (2.06 bits) and IQ2_XS (2.31 bits) are the same search on 8-value groups
 (256 and 512 grid points, 2 distances of neighbours), with sigma2 = Σx²/256, the parity signs of
 IQ3_XXS, and ``Search`` constants of their own; IQ2_XXS starts from ``make_qp_quants``' scale, IQ2_XS
 works on blocks of 16. ggml asserts an importance matrix for both, so their encoders refuse to run
-without one.
+without one. IQ2_S (2.56 bits) is IQ2_XS's search on a 1024-point grid (neighbours at the nearest
+distance only) with 8 plain sign bits, sigma2 = 2·Σx²/256, weights ``sigma2/4 + x²`` without an
+importance matrix, and ``d`` stored as ``d·0.9875``.
 """
 
 from __future__ import annotations
@@ -142,14 +144,17 @@ class _LatticeType(PortedType):
     def encode_chunk(cls, x: np.ndarray, qw_b: np.ndarray | None) -> np.ndarray:
         rows, n = x.shape
         xb = x.reshape(rows, -1, cls.block)  # [rows, blocks, block]
-        if qw_b is None:
-            w = xb * xb
-        else:
-            per_super = np.ascontiguousarray(x.reshape(rows, -1, QK_K).transpose(2, 0, 1))
-            sigma2 = F32(cls.sigma2_factor) * seqsum(per_super * per_super) / F32(QK_K)  # [rows, super-blocks]
-            w = qw_b * np.sqrt(np.repeat(sigma2, QK_K // cls.block, axis=1)[..., None] + xb * xb)
+        per_super = np.ascontiguousarray(x.reshape(rows, -1, QK_K).transpose(2, 0, 1))
+        sigma2 = F32(cls.sigma2_factor) * seqsum(per_super * per_super) / F32(QK_K)  # [rows, super-blocks]
+        sigma2 = np.repeat(sigma2, QK_K // cls.block, axis=1)[..., None]
+        w = cls.plain_weights(xb, sigma2) if qw_b is None else qw_b * np.sqrt(sigma2 + xb * xb)
         blocks = rows * (n // cls.block)
         return cls.pack(rows, n // QK_K, cls.lattice(), xb.reshape(blocks, cls.block), w.reshape(blocks, cls.block))
+
+    @staticmethod
+    def plain_weights(xb: np.ndarray, sigma2: np.ndarray) -> np.ndarray:
+        """The search weights without an importance matrix."""
+        return xb * xb
 
     @classmethod
     def fit(cls, grid: lattice.Lattice, xval: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -294,6 +299,38 @@ class IQ2_XS(_ParitySigns, qtype=GGMLQuantizationType.IQ2_XS):
         l[empty] = 0
         stored_d = np.where(empty, ZERO, d)
         return np.concatenate([f16_bytes(stored_d), q.astype("<u2").view(np.uint8).reshape(rows, supers, -1),
+                               (l[..., 0::2] | l[..., 1::2] << 4).astype(np.uint8)], axis=2)
+
+
+class IQ2_S(_LatticeType, qtype=GGMLQuantizationType.IQ2_S):
+    """d (fp16), the low 8 bits of 32 grid indices (1024 points of 8), 32 sign bytes, the indices'
+    top 2 bits (8 bytes), and a 4-bit scale per block of 16."""
+
+    lattice = staticmethod(lattice.iq2_s)
+    search = Search(range(-9, 10), start_on_grid=True, redo="groups", **{**_IQ2, "eps": 1e-8})  # GROUP_MAX_EPS_IQ2_S
+    block = 16
+
+    @staticmethod
+    def plain_weights(xb: np.ndarray, sigma2: np.ndarray) -> np.ndarray:
+        """``sigma2/4 + x²`` (sigma2 = 2·Σx²/256): some weight on the small values too."""
+        return F32(0.25) * sigma2 + xb * xb
+
+    @classmethod
+    def pack(cls, rows: int, supers: int, grid: lattice.Lattice, xb: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """A zero block is left zero; an empty super-block (max scale 0) keeps its codes and signs,
+        with d and the scales 0, as ggml leaves it."""
+        positive = xb >= 0
+        scale, index, flip, zero = cls.fit(grid, np.where(positive, xb, -xb), w)
+        signs = np.packbits(~positive.reshape(len(xb), -1, 8), axis=2, bitorder="little")[..., 0]  # [blocks, 2]
+        signs = np.where(flip[:, None], ~signs, signs)
+        index = np.where(zero[:, None], 0, index).reshape(rows, supers, -1)  # [rows, supers, 32 groups]
+        signs = np.where(zero[:, None], 0, signs).astype(np.uint8).reshape(rows, supers, -1)
+        d, l, empty = _super_scales(scale, rows, supers)
+        l[empty] = 0
+        top = (index >> 8).reshape(rows, supers, -1, 4) << (2 * np.arange(4))
+        qh = np.bitwise_or.reduce(top, axis=3).astype(np.uint8)
+        stored_d = np.where(empty, ZERO, d * F32(0.9875))
+        return np.concatenate([f16_bytes(stored_d), (index & 255).astype(np.uint8), signs, qh,
                                (l[..., 0::2] | l[..., 1::2] << 4).astype(np.uint8)], axis=2)
 
 

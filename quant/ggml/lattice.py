@@ -105,3 +105,9 @@ def iq2_xxs() -> Lattice:
 def iq2_xs() -> Lattice:
     """IQ2_XS's 512 points of 8 coordinates of 3 levels, 2 distances."""
     return _lattice(_gguf_levels(GGMLQuantizationType.IQ2_XS), 3, 2, nwant=2)
+
+
+@functools.cache
+def iq2_s() -> Lattice:
+    """IQ2_S's 1024 points of 8 coordinates of 3 levels; only the nearest distance's points."""
+    return _lattice(_gguf_levels(GGMLQuantizationType.IQ2_S), 3, 2, nwant=1)
