@@ -58,13 +58,15 @@ _CHUNK_ELEMENTS = 1 << 16  # the neighbour search holds [groups, neighbours, 4] 
 
 
 def best_neighbours(grid: lattice.Lattice, codes: np.ndarray, xval: np.ndarray, w: np.ndarray,
-                    scale: np.ndarray) -> np.ndarray:
+                    scale: np.ndarray, level_values: np.ndarray | None = None) -> np.ndarray:
     """ggml's ``iq3_find_best_neighbour`` for off-grid groups: among the neighbours of each packed
     code ``[M]``, the grid index of least ``Σ w·(scale·q − x)²`` (summed in order, q = 2·level + 1,
     the first of equal errors), for magnitudes and weights ``[M, n]`` and ``scale [M]``.
 
     Most codes have a handful of neighbours and a few have dozens, so codes are searched in
     buckets of similar counts, each as wide as its longest list rather than the longest of all.
+    ``level_values [M, levels]``, if given, are each group's values of a level in place of
+    2·level + 1 (IQ1_S's shifted −1, 0, 1: ``iq1_find_best_neighbour2``).
     """
     out = np.empty(len(codes), dtype=np.int32)
     rows = grid.row[codes]
@@ -76,7 +78,11 @@ def best_neighbours(grid: lattice.Lattice, codes: np.ndarray, xval: np.ndarray, 
         width = min(high, grid.neighbours.shape[1])
         c = rows[sel]
         cand = grid.neighbours[c, :width]  # [m, width], −1 padded
-        q = grid.neighbour_values[c, :, :width]  # [m, n, width]
+        if level_values is None:
+            q = grid.neighbour_values[c, :, :width]  # [m, n, width]
+        else:
+            levels = grid.points[np.maximum(cand, 0)].astype(np.intp)  # [m, width, n]
+            q = np.take_along_axis(level_values[sel][:, None, :], levels, axis=2).transpose(0, 2, 1)
         s = scale[sel, None]
         d2 = np.zeros(cand.shape, dtype=F32)
         for i in range(q.shape[1]):

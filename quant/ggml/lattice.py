@@ -111,3 +111,9 @@ def iq2_xs() -> Lattice:
 def iq2_s() -> Lattice:
     """IQ2_S's 1024 points of 8 coordinates of 3 levels; only the nearest distance's points."""
     return _lattice(_gguf_levels(GGMLQuantizationType.IQ2_S), 3, 2, nwant=1)
+
+
+@functools.cache
+def iq1_s() -> Lattice:
+    """IQ1_S's (and IQ1_M's) 2048 points of 8 coordinates of 3 levels (−1, 0, 1), 3 distances."""
+    return _lattice(_gguf_levels(GGMLQuantizationType.IQ1_S), 3, 2, nwant=3)
