@@ -54,6 +54,7 @@ FILE_TYPES: dict[str, FileType] = {
         FileType("IQ2_M", 29, "IQ2_S"),
         FileType("IQ3_XXS", 23, "IQ3_XXS"),
         FileType("IQ1_S", 24, "IQ1_S"),
+        FileType("IQ1_M", 31, "IQ1_M"),
         FileType("TQ1_0", 36, "TQ1_0"),
         FileType("TQ2_0", 37, "TQ2_0"),
         FileType("MXFP4_MOE", 38, "MXFP4"),
@@ -62,11 +63,11 @@ FILE_TYPES: dict[str, FileType] = {
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 # When a row does not split into the chosen type's blocks (newer llama.cpp's fallbacks).
-_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_0", "IQ4_XS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ3_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ2_S": "IQ4_NL", "IQ1_S": "IQ4_NL",
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_0", "IQ4_XS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ3_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ2_S": "IQ4_NL", "IQ1_S": "IQ4_NL", "IQ1_M": "IQ4_NL",
              "TQ1_0": "Q4_0", "TQ2_0": "Q4_0"}
 _TERNARY = ("TQ1_0", "TQ2_0")
 # llama.cpp's "very low-bit" file types, with rules of their own (Q5_K head, Q2_K embedding, ...)
-_LOW_BIT = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S")
+_LOW_BIT = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M")
 _IQ4 = ("IQ4_NL", "IQ4_XS")
 
 # llama.cpp picks a tensor's rule by its GGUF name; these are the Hugging Face names that map to
@@ -225,7 +226,7 @@ def _low_bit(name: str, role: str, i: int, m: _Model, base: str) -> str:
     if role == "ffn_down" and i < m.n_layers // 8:
         return more
     if role == "attn_output":
-        return "Q5_K" if m.n_expert == 8 else "IQ3_S" if more == "IQ3_S" else "IQ2_XXS" if name == "IQ1_S" else base
+        return "Q5_K" if m.n_expert == 8 else "IQ3_S" if more == "IQ3_S" else "IQ2_XXS" if name in ("IQ1_S", "IQ1_M") else base
     return base
 
 

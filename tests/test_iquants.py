@@ -1,7 +1,7 @@
-"""IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, TQ1_0, TQ2_0 and MXFP4: byte-exact against llama.cpp's own quantizer, block by block.
+"""IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0 and MXFP4: byte-exact against llama.cpp's own quantizer, block by block.
 
 IQ4_NL, IQ4_XS (quant/ggml/iquant_nl.py), IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS and IQ2_S
-(quant/ggml/iquant_lattice.py) and IQ1_S (quant/ggml/iquant_iq1.py) are our ports, with and without
+(quant/ggml/iquant_lattice.py) IQ1_S and IQ1_M (quant/ggml/iquant_iq1.py) are our ports, with and without
 an importance matrix (IQ2_XXS, IQ2_XS and IQ1_S only with one, as llama.cpp);
 TQ1_0, TQ2_0 and MXFP4 come from gguf-py, which we rely on only because these tests pin it to
 llama.cpp's bytes, and llama.cpp reads no importance matrix for them (pinned here too). Rows are
@@ -27,7 +27,7 @@ from helpers.ggml_oracle import available, ggml_quantize
 from quant.ggml import iquant_nl, lattice
 from quant.ggml.types import type_named
 
-PORTED = ["IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S"]
+PORTED = ["IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"]
 ONLY_WITH_IMATRIX = {"IQ2_XXS", "IQ2_XS", "IQ1_S"}  # ggml asserts an importance matrix
 FROM_GGUF = ["TQ1_0", "TQ2_0", "MXFP4"]
 needs_oracle = pytest.mark.skipif(not available(), reason="llama-cpp-python's libggml-base is not installed")
@@ -183,7 +183,7 @@ def test_decoded_error_is_what_the_bits_allow(qtype: str) -> None:
     flat = np.ones(COLS, np.float32) if qtype in ONLY_WITH_IMATRIX else None
     back = dequantize(_quantize(qtype, x, flat), GGMLQuantizationType[qtype])
     rel = np.sqrt(np.mean((back - x) ** 2) / np.mean(x**2))
-    assert rel < {"IQ4_NL": 0.08, "IQ4_XS": 0.08, "IQ3_S": 0.17, "IQ3_XXS": 0.23, "IQ2_XXS": 0.4, "IQ2_XS": 0.35, "IQ2_S": 0.35, "IQ1_S": 0.6, "MXFP4": 0.13, "TQ1_0": 0.85, "TQ2_0": 0.85}[qtype], rel
+    assert rel < {"IQ4_NL": 0.08, "IQ4_XS": 0.08, "IQ3_S": 0.17, "IQ3_XXS": 0.23, "IQ2_XXS": 0.4, "IQ2_XS": 0.35, "IQ2_S": 0.35, "IQ1_S": 0.6, "IQ1_M": 0.6, "MXFP4": 0.13, "TQ1_0": 0.85, "TQ2_0": 0.85}[qtype], rel
 
 
 @pytest.mark.parametrize("qtype", PORTED)
@@ -217,6 +217,6 @@ def test_a_recipe_takes_the_new_file_types() -> None:
     """``{method: gguf, type: IQ4_XS, imatrix: true}``: the recipe's field lists every file type."""
     from recipes.methods.gguf import GGUFWeights
 
-    for name in ("IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M", "IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S", "TQ1_0",
+    for name in ("IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M", "IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S", "IQ1_M", "TQ1_0",
                  "TQ2_0", "MXFP4_MOE"):
         assert GGUFWeights.model_validate({"method": "gguf", "type": name, "imatrix": True}).type == name
