@@ -35,6 +35,7 @@ FILE_TYPES: dict[str, FileType] = {
         FileType("Q5_0", 8, "Q5_0"),
         FileType("Q5_1", 9, "Q5_1"),
         FileType("Q2_K", 10, "Q2_K"),
+        FileType("Q2_K_S", 21, "Q2_K"),
         FileType("Q3_K_S", 11, "Q3_K"),
         FileType("Q3_K_M", 12, "Q3_K"),
         FileType("Q3_K_L", 13, "Q3_K"),
@@ -187,6 +188,8 @@ def _choose(ft: FileType, role: str, i: int, m: _Model, shape: tuple[int, ...], 
     if role == "ffn_down":
         if name == "Q2_K":
             return "Q3_K"
+        if name == "Q2_K_S" and i < n // 8:
+            return "Q4_K"
         if name == "Q3_K_M":
             return "Q5_K" if i < n // 16 else "Q4_K"
         if name == "Q3_K_L":
@@ -233,6 +236,8 @@ def _low_bit(name: str, role: str, i: int, m: _Model, base: str) -> str:
 def _attn_v(name: str, base: str, i: int, m: _Model, has_imatrix: bool) -> str:
     if name == "Q2_K":
         return "Q4_K" if m.n_gqa >= 4 else "Q3_K"
+    if name == "Q2_K_S" and m.n_gqa >= 4:
+        return "Q4_K"
     if name == "Q3_K_M":
         return "Q5_K" if i < 2 else "Q4_K"
     if name == "Q3_K_L":
@@ -250,10 +255,12 @@ def _attn_v(name: str, base: str, i: int, m: _Model, has_imatrix: bool) -> str:
     return base
 
 
-def imatrix_required_by(types: dict[str, str]) -> str | None:
+def imatrix_required_by(file_type: str, types: dict[str, str]) -> str | None:
     """The first tensor (HF name) whose ggml type llama.cpp makes only with an importance matrix
-    (``tensor_requires_imatrix``), or None: llama-quantize refuses such a file without one."""
-    return next((name for name, t in types.items() if t in _NEEDS_IMATRIX and _role(name, True) not in ("output", "token_embd")), None)
+    in a ``file_type`` file (``tensor_requires_imatrix``: the IQ3_XXS, IQ2 and IQ1 types, and Q2_K
+    in Q2_K_S), or None: llama-quantize refuses such a file without one."""
+    needs = (*_NEEDS_IMATRIX, "Q2_K") if file_type == "Q2_K_S" else _NEEDS_IMATRIX
+    return next((name for name, t in types.items() if t in needs and _role(name, True) not in ("output", "token_embd")), None)
 
 
 def _fit_rows(ggml_type: str, row: int) -> str:

@@ -28,7 +28,7 @@ from helpers.smollm2 import smollm2_checkpoint  # noqa: E402
 
 FILE_TYPES_CHECKED = ["Q4_K_M", "Q4_K_S", "Q5_K_M", "Q6_K", "Q8_0", "Q3_K_M", "Q2_K",
                       "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M", "IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS",
-                      "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4_MOE"]
+                      "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4_MOE", "Q2_K_S"]
 REF = BUNDLED.parents[2] / "shared" / "models" / "ref"
 
 

@@ -217,6 +217,6 @@ def test_a_recipe_takes_the_new_file_types() -> None:
     """``{method: gguf, type: IQ4_XS, imatrix: true}``: the recipe's field lists every file type."""
     from recipes.methods.gguf import GGUFWeights
 
-    for name in ("IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M", "IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S", "IQ1_M", "TQ1_0",
+    for name in ("IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M", "IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S", "IQ1_M", "Q2_K_S", "TQ1_0",
                  "TQ2_0", "MXFP4_MOE"):
         assert GGUFWeights.model_validate({"method": "gguf", "type": name, "imatrix": True}).type == name

@@ -163,7 +163,7 @@ def gguf_plan(ckpt: HFCheckpoint, variant, file_type: str, imatrix: bool) -> Pla
         architecture_of(ckpt)
         names = sorted((n for n in names if gguf_name(n, ckpt.arch) is not None), key=lambda n: gguf_order(gguf_name(n, ckpt.arch)))
     types = tensor_types(file_type, [(n, ckpt.shape(n)) for n in names], ckpt.arch, imatrix)
-    needy = None if imatrix else imatrix_required_by(types)
+    needy = None if imatrix else imatrix_required_by(file_type, types)
     if needy is not None:
         raise InputError(f"GGUF {file_type} needs an importance matrix (--imatrix, or imatrix: true in a recipe): "
                          f"llama.cpp makes {needy} {types[needy]} only with one")
