@@ -71,8 +71,10 @@ def best_neighbours(grid: lattice.Lattice, codes: np.ndarray, xval: np.ndarray, 
     out = np.empty(len(codes), dtype=np.int32)
     rows = grid.row[codes]
     counts = grid.counts[rows]
-    for low, high in _BUCKETS:
-        sel = np.flatnonzero((counts > low) & (counts <= high))
+    by_count = np.argsort(counts, kind="stable")
+    edges = np.searchsorted(counts[by_count], [high for _, high in _BUCKETS], side="right")
+    for (low, high), start, stop in zip(_BUCKETS, [0, *edges[:-1]], edges):
+        sel = by_count[start:stop]
         if sel.size == 0:
             continue
         width = min(high, grid.neighbours.shape[1])
@@ -83,17 +85,21 @@ def best_neighbours(grid: lattice.Lattice, codes: np.ndarray, xval: np.ndarray, 
         else:
             levels = grid.points[np.maximum(cand, 0)].astype(np.intp)  # [m, width, n]
             q = np.take_along_axis(level_values[sel][:, None, :], levels, axis=2).transpose(0, 2, 1)
-        s = scale[sel, None]
+        s, xs, ws = scale[sel, None], xval[sel], w[sel]
         d2 = np.zeros(cand.shape, dtype=F32)
-        for i in range(q.shape[1]):
-            diff = s * q[:, i] - xval[sel, i : i + 1]
-            d2 += w[sel, i : i + 1] * diff * diff
+        diff, term = np.empty_like(d2), np.empty_like(d2)
+        for i in range(q.shape[1]):  # d2 += (w·diff)·diff with diff = s·q − x, into reused buffers
+            np.multiply(s, q[:, i], out=diff)
+            np.subtract(diff, xs[:, i : i + 1], out=diff)
+            np.multiply(ws[:, i : i + 1], diff, out=term)
+            np.multiply(term, diff, out=term)
+            np.add(d2, term, out=d2)
         d2[(cand < 0) | np.isnan(d2)] = np.inf  # padding, and what ggml's ``d2 < best`` never takes
         out[sel] = np.take_along_axis(cand, np.argmin(d2, axis=1)[:, None], axis=1)[:, 0]
     return out
 
 
-_BUCKETS = ((0, 4), (4, 8), (8, 16), (16, 32), (32, 64), (64, 1 << 30))  # (fewer than, at most) neighbours
+_BUCKETS = ((0, 4), (4, 8), (8, 16), (16, 32), (32, 64), (64, 128), (128, 1 << 30))  # (fewer than, at most) neighbours
 
 
 def grid_levels(grid: lattice.Lattice, levels: np.ndarray, xval: np.ndarray, w: np.ndarray,
