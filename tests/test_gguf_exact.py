@@ -7,6 +7,8 @@ back), and a random "wide" one whose widths are multiples of 256 with 8 layers a
 KV head, so that IQ4_XS's super-blocks and the i-quant file types' layer and GQA rules all show.
 """
 
+import math
+
 import pytest
 
 ggml_oracle = pytest.importorskip("helpers.ggml_oracle")
@@ -96,3 +98,24 @@ def test_imatrix_changes_the_quantization(model):
     a, b = tensors(plain), tensors(weighted)
     assert sum(a[k] != b[k] for k in a) > len(a) // 2
     assert all(v.shape[0] == ckpt.shape(n)[-1] and (v >= 0).all() for n, v in imatrix.items())
+
+
+def test_llama_cpp_runs_the_iquant_files_and_fewer_bits_cost_more(model):
+    """llama.cpp loads and runs our i-quant files of the bundled model (with an importance matrix),
+    and the KL divergence each adds to the F32 file's next-token distributions, as llama.cpp
+    computes them, grows as the bits per weight shrink: a file that decoded to noise would not."""
+    ckpt, folder, f32, imatrix = model
+    if ckpt.path.resolve() != TINY.resolve():
+        pytest.skip("the bundled model is enough to run the files")
+    from conftest import EVAL_TEXT
+    from helpers.llama_cpp_scores import llama_cpp_added_kld
+
+    tokens = load_tokenizer(ckpt)(EVAL_TEXT.read_text(), add_special_tokens=False)["input_ids"][: 4 * 256]
+    kld = {}
+    for file_type in ("Q8_0", "IQ4_XS", "IQ3_S", "IQ2_S", "IQ1_M"):
+        path = build_variant(ckpt, gguf_variant(file_type, True), folder, imatrix=imatrix,
+                             gguf_path=folder / f"run-{file_type}.gguf").files[0]
+        kld[file_type] = llama_cpp_added_kld(f32, path, tokens)
+    print("llama.cpp's added KL divergence: " + ", ".join(f"{k} {v:.4f}" for k, v in kld.items()))
+    assert all(math.isfinite(v) for v in kld.values())
+    assert kld["Q8_0"] < kld["IQ4_XS"] < kld["IQ3_S"] < kld["IQ2_S"] < kld["IQ1_M"]
