@@ -35,6 +35,7 @@ FILE_TYPES: dict[str, FileType] = {
         FileType("Q5_0", 8, "Q5_0"),
         FileType("Q5_1", 9, "Q5_1"),
         FileType("Q2_K", 10, "Q2_K"),
+        FileType("Q2_K_S", 21, "Q2_K"),
         FileType("Q3_K_S", 11, "Q3_K"),
         FileType("Q3_K_M", 12, "Q3_K"),
         FileType("Q3_K_L", 13, "Q3_K"),
@@ -43,12 +44,32 @@ FILE_TYPES: dict[str, FileType] = {
         FileType("Q5_K_S", 16, "Q5_K"),
         FileType("Q5_K_M", 17, "Q5_K"),
         FileType("Q6_K", 18, "Q6_K"),
+        FileType("IQ4_NL", 25, "IQ4_NL"),
+        FileType("IQ4_XS", 30, "IQ4_XS"),
+        FileType("IQ3_S", 26, "IQ3_S"),
+        FileType("IQ3_M", 27, "IQ3_S"),
+        FileType("IQ3_XS", 22, "IQ3_S"),
+        FileType("IQ2_XS", 20, "IQ2_XS"),
+        FileType("IQ2_XXS", 19, "IQ2_XXS"),
+        FileType("IQ2_S", 28, "IQ2_XS"),
+        FileType("IQ2_M", 29, "IQ2_S"),
+        FileType("IQ3_XXS", 23, "IQ3_XXS"),
+        FileType("IQ1_S", 24, "IQ1_S"),
+        FileType("IQ1_M", 31, "IQ1_M"),
+        FileType("TQ1_0", 36, "TQ1_0"),
+        FileType("TQ2_0", 37, "TQ2_0"),
+        FileType("MXFP4_MOE", 38, "MXFP4"),
     )
 }
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 # When a row does not split into the chosen type's blocks (newer llama.cpp's fallbacks).
-_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_0"}
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_0", "IQ4_XS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ3_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ2_S": "IQ4_NL", "IQ1_S": "IQ4_NL", "IQ1_M": "IQ4_NL",
+             "TQ1_0": "Q4_0", "TQ2_0": "Q4_0"}
+_TERNARY = ("TQ1_0", "TQ2_0")
+# llama.cpp's "very low-bit" file types, with rules of their own (Q5_K head, Q2_K embedding, ...)
+_LOW_BIT = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M")
+_IQ4 = ("IQ4_NL", "IQ4_XS")
 
 # llama.cpp picks a tensor's rule by its GGUF name; these are the Hugging Face names that map to
 # each. ffn_down covers dense, expert (``ffn_down_exps``) and shared-expert down projections alike.
@@ -61,7 +82,13 @@ _ROLES = (
     # Phi-3's fused projection: llama.cpp gives attn_qkv the rules of attn_v (category_is_attn_v)
     (re.compile(r"self_attn\.qkv_proj\.weight$"), "attn_v"),
     (re.compile(r"\.(down_proj|w2)\.weight$"), "ffn_down"),
+    (re.compile(r"self_attn\.q_proj\.weight$"), "attn_q"),
+    (re.compile(r"\.(gate_proj|w1)\.weight$"), "ffn_gate"),
+    (re.compile(r"\.(up_proj|gate_up_proj|w3)\.weight$"), "ffn_up"),  # Phi-3's fused gate_up is GGUF's ffn_up
 )
+# The types llama.cpp quantizes only with an importance matrix (tensor_requires_imatrix), except in
+# the token embedding and the output head.
+_NEEDS_IMATRIX = ("IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 # A mixture-of-experts router (GGUF ffn_gate_inp) stays as converted, F32: llama.cpp never quantizes it.
 _ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.gate\.weight$")
@@ -94,7 +121,7 @@ def tensor_types(file_type: str, tensors: list[tuple[str, tuple[int, ...]]], arc
         elif ft.base in FLOAT_TYPES:
             types[name] = ft.base
         else:
-            chosen = _choose(ft, _role(name, has_output), _layer(name), model, shape[-1], has_imatrix)
+            chosen = _choose(ft, _role(name, has_output), _layer(name), model, shape, has_imatrix)
             types[name] = _fit_rows(chosen, shape[-1])
     return types
 
@@ -128,24 +155,41 @@ def _layer(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def _choose(ft: FileType, role: str, i: int, m: _Model, row: int, has_imatrix: bool) -> str:
-    name, base, n = ft.name, ft.base, m.n_layers
+def _choose(ft: FileType, role: str, i: int, m: _Model, shape: tuple[int, ...], has_imatrix: bool) -> str:
+    name, base, n, row = ft.name, ft.base, m.n_layers, shape[-1]
     if role == "output":
-        if row % 256:
+        if name == "MXFP4_MOE" or row % block_size(base):
             return "Q8_0"
-        return base if base == "Q8_0" else "Q6_K"
+        return "Q5_K" if name in (*_LOW_BIT, "IQ3_XXS") else base if base == "Q8_0" else "Q6_K"
+    if name == "MXFP4_MOE":  # MXFP4 for the stacked experts (3-D), Q8_0 for every other tensor
+        return base if len(shape) > 2 else "Q8_0"
+    if role == "token_embd":
+        if name in ("IQ2_S", "IQ2_M", "IQ3_XXS"):
+            return "IQ3_S"
+        return "Q4_K" if name in _TERNARY else "Q2_K" if name in _LOW_BIT else base
+    if name in _LOW_BIT:
+        return _low_bit(name, role, i, m, base)
     if role == "attn_v":
-        chosen = _attn_v(name, base, i, m)
+        chosen = _attn_v(name, base, i, m, has_imatrix)
         if m.is_70b and chosen in ("Q3_K", "Q4_K"):  # 8 query heads share each V: more bits cost little
             chosen = "Q5_K"
         return "Q8_0" if m.n_expert == 8 else chosen  # Mixtral: a small tensor next to the experts
     if role == "attn_k" and m.n_expert == 8:
         return "Q8_0"
     if role == "attn_output" and m.n_expert == 8:
-        return "Q5_K" if name in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M") else base
+        return "Q5_K" if name in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M",
+                                  *_IQ4) else base
+    if name == "IQ3_XS" and role in ("attn_k", "attn_q"):
+        return "IQ3_XXS"
+    if name == "IQ3_XXS" and role in ("attn_k", "attn_q"):
+        return "IQ2_S"
+    if name == "IQ3_XS" and role in ("ffn_gate", "ffn_up") and n // 8 <= i < 7 * n // 8:
+        return "IQ3_XXS"
     if role == "ffn_down":
         if name == "Q2_K":
             return "Q3_K"
+        if name == "Q2_K_S" and i < n // 8:
+            return "Q4_K"
         if name == "Q3_K_M":
             return "Q5_K" if i < n // 16 else "Q4_K"
         if name == "Q3_K_L":
@@ -154,21 +198,46 @@ def _choose(ft: FileType, role: str, i: int, m: _Model, row: int, has_imatrix: b
             return "Q6_K"
         if name == "Q4_K_S" and i < n // 8:
             return "Q5_K"
+        if name == "IQ3_XXS" and not has_imatrix:
+            return "Q4_K" if i < n // 8 else "Q3_K"
+        if name == "IQ3_M" and (i < n // 8 or (m.n_expert == 8 and use_more_bits(i, n))):
+            return "Q4_K"
+        if name in _IQ4 and not has_imatrix and i < n // 8:
+            return "Q5_K"
         if name in ("Q4_0", "Q5_0") and has_imatrix and i < n // 8:
             return "Q4_1" if name == "Q4_0" else "Q5_1"
     if role == "attn_output":
         if name == "Q2_K":
             return "Q3_K"
-        if name == "Q3_K_M":
+        if name in ("Q3_K_M", "IQ3_M"):
             return "Q4_K"
+        if name == "IQ3_XXS":
+            return "IQ3_S"
         if name == "Q3_K_L":
             return "Q5_K"
     return base
 
 
-def _attn_v(name: str, base: str, i: int, m: _Model) -> str:
+def _low_bit(name: str, role: str, i: int, m: _Model, base: str) -> str:
+    """The IQ2 and IQ1 file types' rules, which replace the others (no 70B or 8-expert attn_v
+    bump): more bits (Q2_K, or IQ3_S for IQ2_S and IQ2_M) for the tensors that need them."""
+    more = "IQ3_S" if name in ("IQ2_S", "IQ2_M") else "Q2_K"
+    if role == "attn_v":
+        return "Q4_K" if m.n_gqa >= 4 or m.n_expert >= 4 else more
+    if role == "attn_k" and m.n_expert == 8:
+        return "Q4_K"
+    if role == "ffn_down" and i < m.n_layers // 8:
+        return more
+    if role == "attn_output":
+        return "Q5_K" if m.n_expert == 8 else "IQ3_S" if more == "IQ3_S" else "IQ2_XXS" if name in ("IQ1_S", "IQ1_M") else base
+    return base
+
+
+def _attn_v(name: str, base: str, i: int, m: _Model, has_imatrix: bool) -> str:
     if name == "Q2_K":
         return "Q4_K" if m.n_gqa >= 4 else "Q3_K"
+    if name == "Q2_K_S" and m.n_gqa >= 4:
+        return "Q4_K"
     if name == "Q3_K_M":
         return "Q5_K" if i < 2 else "Q4_K"
     if name == "Q3_K_L":
@@ -177,7 +246,21 @@ def _attn_v(name: str, base: str, i: int, m: _Model) -> str:
         return "Q6_K"
     if name == "Q4_K_S" and i < 4:
         return "Q5_K"
+    if name in _IQ4 and m.n_gqa >= 4:
+        return "Q5_K"
+    if name == "IQ3_M" or (name in ("IQ3_XXS", "IQ3_XS", "IQ3_S") and m.n_gqa >= 4):
+        return "Q4_K"
+    if name == "IQ3_XXS":
+        return "IQ3_XXS" if has_imatrix else "IQ3_S"
     return base
+
+
+def imatrix_required_by(file_type: str, types: dict[str, str]) -> str | None:
+    """The first tensor (HF name) whose ggml type llama.cpp makes only with an importance matrix
+    in a ``file_type`` file (``tensor_requires_imatrix``: the IQ3_XXS, IQ2 and IQ1 types, and Q2_K
+    in Q2_K_S), or None: llama-quantize refuses such a file without one."""
+    needs = (*_NEEDS_IMATRIX, "Q2_K") if file_type == "Q2_K_S" else _NEEDS_IMATRIX
+    return next((name for name, t in types.items() if t in needs and _role(name, True) not in ("output", "token_embd")), None)
 
 
 def _fit_rows(ggml_type: str, row: int) -> str:

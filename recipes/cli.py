@@ -55,7 +55,7 @@ def run(
 @app.command()
 def export(
     model: Path = typer.Argument(..., help="Hugging Face model folder (config.json, *.safetensors, tokenizer) or id (org/name[@revision]), a GPTQ/AWQ/compressed-tensors/bitsandbytes folder, or a GGUF file."),
-    gguf: str = typer.Option(..., "--gguf", help="GGUF file type: F32 F16 BF16 Q8_0 Q6_K Q5_K_M Q5_K_S Q4_K_M Q4_K_S Q3_K_L Q3_K_M Q3_K_S Q2_K Q5_1 Q5_0 Q4_1 Q4_0."),
+    gguf: str = typer.Option(..., "--gguf", help="GGUF file type: F32 F16 BF16 Q8_0 Q6_K Q5_K_M Q5_K_S Q4_K_M Q4_K_S Q3_K_L Q3_K_M Q3_K_S Q2_K Q2_K_S Q5_1 Q5_0 Q4_1 Q4_0 IQ4_NL IQ4_XS IQ3_S IQ3_M IQ3_XS IQ3_XXS IQ2_M IQ2_S IQ2_XS IQ2_XXS IQ1_S IQ1_M TQ1_0 TQ2_0 MXFP4_MOE."),
     out: Path = typer.Option(..., "--out", "-o", help="Output .gguf file (an Ollama Modelfile is written beside it)."),
     imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix: a llama.cpp imatrix file (.gguf or .dat), or a calibration text to compute one from."),
 ) -> None:

@@ -18,8 +18,9 @@ from helpers.engine import greedy, prompts_from_text, transformers_greedy
 
 NAMES = list(ZOO)
 # Q3_K_M and Q4_K_M give attn_v (and Phi-3's fused attn_qkv, which llama.cpp counts as one) more
-# bits in some layers; Q6_K and Q8_0 cover the rest.
-FILE_TYPES = ["Q4_K_M", "Q3_K_M", "Q6_K", "Q8_0"]
+# bits in some layers; Q6_K and Q8_0 cover the rest. IQ4_XS and TQ2_0 (Q4_K embedding where untied)
+# check the newer types' rules on each family's tensor names.
+FILE_TYPES = ["Q4_K_M", "Q3_K_M", "Q6_K", "Q8_0", "IQ4_XS", "TQ2_0"]
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,8 @@ def test_damaged_imatrix_files_are_refused(tmp_path):
         read_imatrix(cut)
 
 
-def test_export_with_an_imatrix_file_matches_llama_quantize(tmp_path, tiny_imatrix, monkeypatch, capsys):
+@pytest.mark.parametrize("file_type", ["Q4_K_M", "IQ4_XS"])
+def test_export_with_an_imatrix_file_matches_llama_quantize(tmp_path, tiny_imatrix, monkeypatch, capsys, file_type):
     oracle = pytest.importorskip("helpers.ggml_oracle")
     if not oracle.available():
         pytest.skip("llama-cpp-python is the 'interop' extra")
@@ -85,11 +86,11 @@ def test_export_with_an_imatrix_file_matches_llama_quantize(tmp_path, tiny_imatr
     means, tokens = tiny_imatrix
     path = tmp_path / "im.gguf"
     write_imatrix(path, {gguf_name(n, TINY_ARCH): v for n, v in means.items()}, tokens, ["calib.txt"], 512)
-    code, _, err = quantize(monkeypatch, capsys, "export", TINY, "--gguf", "Q4_K_M", "-o", tmp_path / "ours.gguf", "--imatrix", path)
+    code, _, err = quantize(monkeypatch, capsys, "export", TINY, "--gguf", file_type, "-o", tmp_path / "ours.gguf", "--imatrix", path)
     assert code == 0, err
     code, _, err = quantize(monkeypatch, capsys, "export", TINY, "--gguf", "F32", "-o", tmp_path / "f32.gguf")
     assert code == 0, err
-    oracle.llama_quantize_file(tmp_path / "f32.gguf", tmp_path / "theirs.gguf", FILE_TYPES["Q4_K_M"].id, imatrix=read_imatrix(path))
+    oracle.llama_quantize_file(tmp_path / "f32.gguf", tmp_path / "theirs.gguf", FILE_TYPES[file_type].id, imatrix=read_imatrix(path))
     ours = {t.name: bytes(t.data) for t in GGUFReader(tmp_path / "ours.gguf").tensors}
     theirs = {t.name: bytes(t.data) for t in GGUFReader(tmp_path / "theirs.gguf").tensors}
     assert ours == theirs
@@ -105,4 +106,7 @@ def test_export_bad_inputs(tmp_path, monkeypatch, capsys):
                                "--imatrix", wrong), "blk.99.attn_q.weight", "matches no tensor")
     assert_user_error(quantize(monkeypatch, capsys, "export", tmp_path / "nope", "--gguf", "Q8_0", "-o", tmp_path / "c.gguf"),
                       "nope", "not found")
+    # llama-quantize refuses IQ3_XS without an importance matrix (its IQ3_XXS tensors need one): so do we
+    assert_user_error(quantize(monkeypatch, capsys, "export", TINY, "--gguf", "iq3_xs", "-o", tmp_path / "d.gguf"),
+                      "IQ3_XS needs an importance matrix", "IQ3_XXS")
     assert not list(tmp_path.glob("*.gguf.partial")) and not (tmp_path / "b.gguf").exists()

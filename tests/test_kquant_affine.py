@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 import quant.ggml.kquant_affine as kq
 from conftest import TINY
+from helpers.ggml_cases import assert_same_blocks, random_imatrix, seeded_case, unusual_imatrix
 from helpers.ggml_oracle import available, ggml_quantize
 
 pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
@@ -109,23 +110,11 @@ CASES = {
 
 @lru_cache(maxsize=None)
 def _data(case: str) -> np.ndarray:
-    seed = sorted(CASES).index(case)
-    return np.ascontiguousarray(CASES[case](np.random.default_rng(seed)), dtype=np.float32)
-
-
-def _imatrix(n: int, seed: int = 100) -> np.ndarray:
-    """Random importance weights (mean squared activations) with about a fifth of them zero."""
-    rng = np.random.default_rng(seed)
-    qw = rng.exponential(1.0, n)
-    qw[rng.random(n) < 0.2] = 0
-    return qw.astype(np.float32)
+    return seeded_case(CASES, case)
 
 
 def _assert_same_blocks(ours: np.ndarray, ggml: np.ndarray, qtype: str) -> None:
-    assert ours.dtype == np.uint8 and ours.shape == ggml.shape
-    size = BLOCK_BYTES[qtype]
-    bad = np.flatnonzero((ours.reshape(-1, size) != ggml.reshape(-1, size)).any(axis=1))
-    assert bad.size == 0, f"{bad.size} of {ours.size // size} super-blocks differ, first at {bad[0]}"
+    assert_same_blocks(ours, ggml, BLOCK_BYTES[qtype], "super-blocks")
 
 
 @needs_oracle
@@ -134,7 +123,7 @@ def _assert_same_blocks(ours: np.ndarray, ggml: np.ndarray, qtype: str) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_bytes_match_llama_cpp(case: str, qtype: str, imatrix: bool) -> None:
     x = _data(case)
-    qw = _imatrix(x.shape[1]) if imatrix else None
+    qw = random_imatrix(x.shape[1]) if imatrix else None
     _assert_same_blocks(ENCODERS[qtype](x, qw), ggml_quantize(x, qtype, qw), qtype)
 
 
@@ -148,12 +137,7 @@ def test_unusual_importance_weights_match_llama_cpp(qtype: str, kind: str) -> No
     """Zero weights leave the search few points to fit, which moves the best offset onto a group's
     max: the case ggml's qkx3 guards against and we reproduce."""
     x = _data("heavy_tailed")
-    rng = np.random.default_rng(7)
-    qw = {
-        "mostly_zero": np.where(rng.random(COLS) < 0.95, 0.0, rng.random(COLS)),
-        "all_zero": np.zeros(COLS),
-        "wide_range": 10.0 ** rng.uniform(-10, 10, COLS),
-    }[kind].astype(np.float32)
+    qw = unusual_imatrix(kind, COLS)
     _assert_same_blocks(ENCODERS[qtype](x, qw), ggml_quantize(x, qtype, qw), qtype)
 
 
@@ -162,7 +146,7 @@ def test_bytes_do_not_depend_on_chunking(qtype: str, monkeypatch: pytest.MonkeyP
     """Chunks of 7 super-blocks cut rows of 3 at varying places; each block must keep its columns'
     importance weights."""
     x = _data("real_weights")
-    qw = _imatrix(x.shape[1])
+    qw = random_imatrix(x.shape[1])
     whole = ENCODERS[qtype](x, qw), ENCODERS[qtype](x)
     monkeypatch.setattr(kq, "_CHUNK_BLOCKS", 7)
     chunked = ENCODERS[qtype](x, qw), ENCODERS[qtype](x)

@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 import quant.ggml.legacy as legacy
 from conftest import TINY
+from helpers.ggml_cases import assert_same_blocks, random_imatrix, seeded_case, unusual_imatrix
 from helpers.ggml_oracle import available, ggml_quantize
 
 pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
@@ -102,16 +103,7 @@ CASES = {
 
 @lru_cache(maxsize=None)
 def _data(case: str) -> np.ndarray:
-    seed = sorted(CASES).index(case)
-    return np.ascontiguousarray(CASES[case](np.random.default_rng(seed)), dtype=np.float32)
-
-
-def _imatrix(n: int, seed: int = 100) -> np.ndarray:
-    """Random importance weights (mean squared activations) with about a fifth of them zero."""
-    rng = np.random.default_rng(seed)
-    qw = rng.exponential(1.0, n)
-    qw[rng.random(n) < 0.2] = 0
-    return qw.astype(np.float32)
+    return seeded_case(CASES, case)
 
 
 def _offset_at_max() -> tuple[np.ndarray, np.ndarray]:
@@ -134,10 +126,7 @@ def _offset_at_max() -> tuple[np.ndarray, np.ndarray]:
 
 
 def _assert_same_blocks(ours: np.ndarray, ggml: np.ndarray, qtype: str) -> None:
-    assert ours.dtype == np.uint8 and ours.shape == ggml.shape
-    size = BLOCK_BYTES[qtype]
-    bad = np.flatnonzero((ours.reshape(-1, size) != ggml.reshape(-1, size)).any(axis=1))
-    assert bad.size == 0, f"{bad.size} of {ours.size // size} blocks differ, first at {bad[0]}"
+    assert_same_blocks(ours, ggml, BLOCK_BYTES[qtype], "blocks")
 
 
 @needs_oracle
@@ -145,7 +134,7 @@ def _assert_same_blocks(ours: np.ndarray, ggml: np.ndarray, qtype: str) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_bytes_match_llama_cpp(case: str, qtype: str) -> None:
     x = _data(case)
-    qw = _imatrix(x.shape[1])
+    qw = random_imatrix(x.shape[1])
     _assert_same_blocks(ENCODERS[qtype](x, qw), ggml_quantize(x, qtype, qw), qtype)
 
 
@@ -155,13 +144,7 @@ def test_bytes_match_llama_cpp(case: str, qtype: str) -> None:
 def test_unusual_importance_weights_match_llama_cpp(qtype: str, kind: str) -> None:
     """Zero weights leave the searches few points to fit (or none: every candidate is rejected)."""
     x = _data("heavy_tailed")
-    rng = np.random.default_rng(7)
-    qw = {
-        "mostly_zero": np.where(rng.random(COLS) < 0.95, 0.0, rng.random(COLS)),
-        "all_zero": np.zeros(COLS),
-        "wide_range": 10.0 ** rng.uniform(-10, 10, COLS),
-        "uniform": np.ones(COLS),
-    }[kind].astype(np.float32)
+    qw = unusual_imatrix(kind, COLS)
     _assert_same_blocks(ENCODERS[qtype](x, qw), ggml_quantize(x, qtype, qw), qtype)
 
 
@@ -213,7 +196,7 @@ def test_gguf_quantize_is_llama_cpp_without_imatrix(case: str, qtype: str) -> No
 def test_bytes_do_not_depend_on_chunking(qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """One row per chunk must give every block its own columns' importance and its row's sigma2."""
     x = _data("real_weights")[:40]
-    qw = _imatrix(x.shape[1])
+    qw = random_imatrix(x.shape[1])
     whole = ENCODERS[qtype](x, qw)
     monkeypatch.setattr(legacy, "_CHUNK_ELEMENTS", 1)
     np.testing.assert_array_equal(ENCODERS[qtype](x, qw), whole)

@@ -2,10 +2,11 @@
 
 The payloads made here are what the GGUF writer stores verbatim, and their dequantized values are
 what the in-memory evaluation of the same variant uses, so the report and the file agree. Each ggml
-type is one class in the registry of ``quant.ggml.types``: the K-quant encoders and the legacy
-types' importance-matrix path are byte-exact ports of llama.cpp's (``kquant_affine``,
-``kquant_symmetric``, ``legacy``); the float types, Q8_0 and the legacy types without an importance
-matrix come from the ``gguf`` package, which is byte-exact for them.
+type is one class in the registry of ``quant.ggml.types``: the K-quant encoders, the legacy
+types' importance-matrix path, IQ4_NL/IQ4_XS and the IQ3/IQ2/IQ1 lattice types are byte-exact
+ports of llama.cpp's (``kquant_affine``, ``kquant_symmetric``, ``legacy``, ``iquant_nl``,
+``iquant_lattice``, ``iquant_iq1``); the float types, Q8_0, TQ1_0, TQ2_0, MXFP4 and the legacy
+types without an importance matrix come from the ``gguf`` package, which is byte-exact for them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from core.errors import InputError
 from core.file_types import FILE_TYPES, tensor_types
 from core.tensors import GGMLTensor
-from quant.ggml import kquant_affine, kquant_symmetric, legacy  # noqa: F401  (importing a family registers its types)
+from quant.ggml import iquant_iq1, iquant_lattice, iquant_nl, kquant_affine, kquant_symmetric, legacy  # noqa: F401  (importing a family registers its types)
 from quant.ggml.types import type_named, type_names
 from quant.ggml.workers import by_row_blocks
 

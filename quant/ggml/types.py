@@ -3,9 +3,10 @@
 As in gguf-py's ``gguf/quants.py``: a base class whose ``__init_subclass__`` registers every
 subclass given a ``qtype``, and one class per type saying how its rows are encoded and what
 llama.cpp's quantizer takes for it. ``quant.ggml.encode`` looks types up here and nowhere else, so
-adding a type is one class (docs/extending.md). The float types and Q8_0 come from gguf-py, which
-is byte-exact for them; the families we port ourselves define their classes beside their encoders
-(``kquant_affine``, ``kquant_symmetric``, ``legacy``), and importing ``quant.ggml`` registers them.
+adding a type is one class (docs/extending.md). The float types, Q8_0, TQ1_0, TQ2_0 and MXFP4 come
+from gguf-py, which is byte-exact for them (tests/test_iquants.py pins the last three); the
+families we port ourselves define their classes beside their encoders (``kquant_affine``,
+``kquant_symmetric``, ``legacy``, ``iquant_nl``, ``iquant_lattice``), and importing ``quant.ggml`` registers them.
 """
 
 from __future__ import annotations
@@ -104,3 +105,17 @@ class BF16(GGMLType, qtype=GGMLQuantizationType.BF16):
 
 class Q8_0(GGMLType, qtype=GGMLQuantizationType.Q8_0):
     """32 int8 values and an fp16 scale per block; llama.cpp ignores an importance matrix for it."""
+
+
+class TQ1_0(GGMLType, qtype=GGMLQuantizationType.TQ1_0):
+    """Ternary (−1, 0, 1 times the super-block's largest |x|, fp16): five trits a byte, 1.69 bits
+    per weight; llama.cpp ignores an importance matrix for it."""
+
+
+class TQ2_0(GGMLType, qtype=GGMLQuantizationType.TQ2_0):
+    """Ternary as TQ1_0, two bits a value (2.06 bits per weight), faster to unpack."""
+
+
+class MXFP4(GGMLType, qtype=GGMLQuantizationType.MXFP4):
+    """OCP microscaling FP4: blocks of 32 E2M1 values under a power-of-two (E8M0) scale; llama.cpp
+    ignores an importance matrix for it."""

@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel
 
 from core.errors import InputError
-from core.file_types import tensor_types
+from core.file_types import imatrix_required_by, tensor_types
 from core.tensors import LayerResult, TensorPayload
 from formats.gguf import architecture_of, gguf_name, gguf_order
 from formats.hf import HFCheckpoint
@@ -162,7 +162,12 @@ def gguf_plan(ckpt: HFCheckpoint, variant, file_type: str, imatrix: bool) -> Pla
     if any(FORMATS[e].ggml for e in variant.exports):
         architecture_of(ckpt)
         names = sorted((n for n in names if gguf_name(n, ckpt.arch) is not None), key=lambda n: gguf_order(gguf_name(n, ckpt.arch)))
-    return Plan(names, tensor_types(file_type, [(n, ckpt.shape(n)) for n in names], ckpt.arch, imatrix))
+    types = tensor_types(file_type, [(n, ckpt.shape(n)) for n in names], ckpt.arch, imatrix)
+    needy = None if imatrix else imatrix_required_by(file_type, types)
+    if needy is not None:
+        raise InputError(f"GGUF {file_type} needs an importance matrix (--imatrix, or imatrix: true in a recipe): "
+                         f"llama.cpp makes {needy} {types[needy]} only with one")
+    return Plan(names, types)
 
 
 def gguf_encode(plan: Plan, name: str, tensor: torch.Tensor, imatrix: Imatrix | None) -> TensorPayload:

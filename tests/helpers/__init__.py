@@ -8,6 +8,8 @@ tests/conftest.py): no test module imports another (tests/test_import_order.py c
 - llama_cpp_scores: llama.cpp's perplexity and added KL divergence of a GGUF file;
 - processes: processes a test tagged, to check none is left behind;
 - ggml_oracle: llama.cpp's own quantizer, the byte-exact reference;
+- ggml_cases: seeded inputs, importance matrices and the block-by-block comparison of the
+  ggml encoders' byte-exactness tests;
 - model_zoo: small random models of each architecture; smollm2: a real pretrained checkpoint;
 - fuzz_inputs: the seeded fuzzer of the commands that read users' files (also a script);
 - browser: a headless chromium's view of a report page;
