@@ -202,7 +202,7 @@ class Engine:
     def _propose(self) -> None:
         """Guesses for every running sequence that decodes next step, as many as it may still use,
         and no more than its share of the step's token budget left after every running sequence's
-        own next token (so that guesses never crowd out another sequence's decode)."""
+        own next tokens (so that guesses never crowd out another sequence's decode token or prompt chunk)."""
         ready = [s for s in self.scheduler.running if s.num_computed == s.num_tokens - 1]
         if not ready:
             return
