@@ -22,7 +22,8 @@ from gguf.quants import dequantize
 from safetensors import safe_open
 
 from conftest import TINY
-from helpers.ggml_cases import UNUSUAL_IMATRIX, assert_same_blocks, random_imatrix, seeded_case, unusual_imatrix
+from helpers.ggml_cases import (UNUSUAL_IMATRIX, assert_same_blocks, random_imatrix, seeded_case, unusual_imatrix,
+                                weighted_column_errors)
 from helpers.ggml_oracle import available, ggml_quantize
 from quant.ggml import iquant_nl, lattice
 from quant.ggml.types import type_named
@@ -164,14 +165,8 @@ def test_bytes_do_not_depend_on_chunking(qtype: str, monkeypatch: pytest.MonkeyP
 @pytest.mark.parametrize("qtype", PORTED)
 def test_importance_weights_favour_the_weighted_columns(qtype: str) -> None:
     """Decoded by gguf-py (an independent reader of the layout): columns weighted 100x come out closer."""
-    x = _data("gaussian")
-    flat = np.ones(COLS, dtype=np.float32)
-    heavy = flat.copy()
-    heavy[::4] = 100.0
-    t = GGMLQuantizationType[qtype]
-    err_flat = (dequantize(_quantize(qtype, x, flat), t) - x) ** 2
-    err_heavy = (dequantize(_quantize(qtype, x, heavy), t) - x) ** 2
-    assert err_heavy[:, ::4].mean() < 0.8 * err_flat[:, ::4].mean()
+    heavy, flat = weighted_column_errors(lambda x, qw: _quantize(qtype, x, qw), qtype, _data("gaussian"))
+    assert heavy < 0.8 * flat
 
 
 @pytest.mark.parametrize("qtype", PORTED + FROM_GGUF)

@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 import quant.ggml.legacy as legacy
 from conftest import TINY
-from helpers.ggml_cases import assert_same_blocks, random_imatrix, seeded_case, unusual_imatrix
+from helpers.ggml_cases import assert_same_blocks, random_imatrix, seeded_case, unusual_imatrix, weighted_column_errors
 from helpers.ggml_oracle import available, ggml_quantize
 
 pytestmark = pytest.mark.check  # the fast tier, `make check` (docs/testing.md)
@@ -216,14 +216,8 @@ def test_search_beats_plain_rounding(qtype: str) -> None:
 
 @pytest.mark.parametrize("qtype", list(ENCODERS))
 def test_importance_weights_favour_the_weighted_columns(qtype: str) -> None:
-    x = _data("gaussian")
-    flat = np.ones(COLS, dtype=np.float32)
-    heavy = flat.copy()
-    heavy[::4] = 100.0
-    t = GGMLQuantizationType[qtype]
-    err_flat = (dequantize(ENCODERS[qtype](x, flat), t) - x) ** 2
-    err_heavy = (dequantize(ENCODERS[qtype](x, heavy), t) - x) ** 2
-    assert err_heavy[:, ::4].mean() < 0.8 * err_flat[:, ::4].mean()
+    heavy, flat = weighted_column_errors(ENCODERS[qtype], qtype, _data("gaussian"))
+    assert heavy < 0.8 * flat
 
 
 @pytest.mark.parametrize(

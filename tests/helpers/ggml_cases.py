@@ -42,3 +42,18 @@ def assert_same_blocks(ours: np.ndarray, ggml: np.ndarray, block_bytes: int, blo
     assert ours.dtype == np.uint8 and ours.shape == ggml.shape
     bad = np.flatnonzero((ours.reshape(-1, block_bytes) != ggml.reshape(-1, block_bytes)).any(axis=1))
     assert bad.size == 0, f"{bad.size} of {ours.size // block_bytes} {blocks} differ, first at {bad[0]}"
+
+
+def weighted_column_errors(encode: Callable[[np.ndarray, np.ndarray], bytes], qtype: str,
+                           x: np.ndarray) -> tuple[float, float]:
+    """Mean squared error, decoded by gguf-py (an independent reader of the layout), of every fourth
+    column of ``x``: with those columns weighted 100x in the importance matrix, and with flat weights."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    flat = np.ones(x.shape[1], dtype=np.float32)
+    heavy = flat.copy()
+    heavy[::4] = 100.0
+    t = GGMLQuantizationType[qtype]
+    err = [((dequantize(encode(x, qw), t) - x) ** 2)[:, ::4].mean() for qw in (heavy, flat)]
+    return float(err[0]), float(err[1])
