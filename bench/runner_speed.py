@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -192,10 +193,11 @@ def main():  # vLLM starts its engine core in a spawned process, which imports t
     llm = LLM(sys.argv[1], dtype="bfloat16", max_model_len=1024, seed=0)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in outputs]
     llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params[0])  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
-    seconds = time.perf_counter() - start
-    print("RESULT " + json.dumps({"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": seconds}))
+    for _ in range(int(sys.argv[3])):
+        start = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+        seconds = time.perf_counter() - start
+        print("RESULT " + json.dumps({"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": seconds}), flush=True)
 
 
 if __name__ == "__main__":
@@ -203,7 +205,9 @@ if __name__ == "__main__":
 """
 
 
-def vllm(model: Path, prompts: list[list[int]], outputs: list[int], threads: int, work: Path) -> dict | str:
+def vllm(model: Path, prompts: list[list[int]], outputs: list[int], threads: int, work: Path, repeats: int = 1) -> dict | str:
+    """vLLM's CPU build offline on the workload, started once and run ``repeats`` times: the median
+    run's tokens/s, and every run's."""
     python = servers.VLLM_PYTHON
     if not python.exists():
         return "skipped: bash bench/anchors/setup.sh vllm installs it (about 75 s)"
@@ -211,14 +215,14 @@ def vllm(model: Path, prompts: list[list[int]], outputs: list[int], threads: int
     data.write_text(json.dumps([prompts, outputs]))
     script.write_text(VLLM)
     env = {**os.environ, **servers.vllm_env(threads)}  # a fixed 2 GiB KV space: its default takes a share of free memory
-    proc = subprocess.run([str(python), str(script), str(model), str(data)], capture_output=True, text=True, env=env,
-                          timeout=1800)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-    if line is None:
+    proc = subprocess.run([str(python), str(script), str(model), str(data), str(repeats)], capture_output=True, text=True,
+                          env=env, timeout=1800)
+    results = [json.loads(l[7:]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if not results:
         causes = [l for l in proc.stderr.splitlines() if "Error" in l and "Engine core initialization failed" not in l]
         return f"skipped: vLLM failed ({(causes or proc.stderr.strip().splitlines() or ['no output'])[-1].strip()[:300]})"
-    r = json.loads(line[7:])
-    return {"tokens_per_s": r["tokens"] / r["seconds"], "seconds": r["seconds"]}
+    runs = [r["tokens"] / r["seconds"] for r in results]
+    return {"tokens_per_s": statistics.median(runs), "runs": runs, "seconds": statistics.median(r["seconds"] for r in results)}
 
 
 def main() -> None:

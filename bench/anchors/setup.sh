@@ -2,7 +2,7 @@
 # Create the isolated virtualenv of one "anchor" (a third-party quantizer that
 # bench/ptq_table.py runs as a subprocess to compare against our own methods).
 #
-#   bench/anchors/setup.sh NAME        # NAME: gptqmodel | llmcompressor | torchao | vllm | llama-server | chromium
+#   bench/anchors/setup.sh NAME        # NAME: gptqmodel | llmcompressor | torchao | vllm | llama-server | llama-tools | chromium
 #
 # (vllm and llama-server are the engines bench/runner_speed.py times ours against; chromium is
 # Debian's browser, which tests/test_report_browser.py opens the report page in.)
@@ -15,7 +15,7 @@
 # not uv (uv does not see the local CPU wheel).
 set -euo pipefail
 
-usage() { echo "usage: $0 NAME   (NAME: gptqmodel | llmcompressor | torchao | vllm | llama-server | chromium)" >&2; exit 2; }
+usage() { echo "usage: $0 NAME   (NAME: gptqmodel | llmcompressor | torchao | vllm | llama-server | llama-tools | chromium)" >&2; exit 2; }
 [ $# -eq 1 ] || usage
 NAME=$1
 
@@ -155,6 +155,31 @@ from vllm import LLM, SamplingParams'
         cp "$VENV/build/bin/llama-server" "$BIN"
         "$BIN" --version >/dev/null 2>&1 || { echo "setup.sh: llama-server built but does not run" >&2; exit 1; }
         echo "anchor llama-server: ready in $BIN"
+        exit 0
+        ;;
+    llama-tools)
+        # llama.cpp's own command-line tools, built from the same vendored source with this
+        # machine's native instruction set (GGML_NATIVE=ON; the wheel is built without it, AVX2
+        # only): llama-bench (bench/engine_roofline.py's CPU baseline), llama-quantize and
+        # llama-perplexity. About 10 minutes on 2 cores. No Python here: the "venv" holds bin/.
+        TOOLS="llama-bench llama-quantize llama-perplexity"
+        if [ "${ANCHOR_FORCE:-0}" != 1 ] && [ -x "$VENV/bin/llama-bench" ] && [ -x "$VENV/bin/llama-quantize" ] \
+            && [ -x "$VENV/bin/llama-perplexity" ]; then
+            echo "anchor llama-tools: $VENV/bin already built"
+            exit 0
+        fi
+        rm -rf "$VENV"
+        mkdir -p "$VENV/src" "$VENV/bin"
+        "$PY" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==0.3.36" -d "$VENV/src"
+        tar xzf "$VENV"/src/llama_cpp_python-*.tar.gz -C "$VENV/src"
+        SRC=$(echo "$VENV"/src/llama_cpp_python-*/vendor/llama.cpp)
+        cmake -S "$SRC" -B "$VENV/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+            -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
+        # shellcheck disable=SC2086
+        cmake --build "$VENV/build" --target $TOOLS -j "$(nproc)" >/dev/null
+        for tool in $TOOLS; do cp "$VENV/build/bin/$tool" "$VENV/bin/"; done
+        "$VENV/bin/llama-bench" --help >/dev/null 2>&1 || { echo "setup.sh: llama-bench built but does not run" >&2; exit 1; }
+        echo "anchor llama-tools: ready in $VENV/bin"
         exit 0
         ;;
     chromium)

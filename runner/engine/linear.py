@@ -2,12 +2,19 @@
 
 A quantized variant runs on its own codes, so its speed is its own and not a dequantized copy's:
 
-- int8 by output channel (GPTQ's grid, symmetric or not) on a CPU: ``torch._weight_int8pack_mm``
-  on the codes less 128 and the scales; an asymmetric zero-point adds ``(128 - zero) · scale``
-  times the sum of the inputs. torch's CUDA build of that op is a reference loop (one thread per
-  output, walking its weight row byte by byte in float32, no tensor cores): on an H200 it gave
-  the dense export's tokens, but bench/linear_kernels.py over Llama-3-8B's projections did not
-  finish in 50 s, twice, with it among the layers timed. On CUDA int8 runs dequantized, and says so;
+- int8 by output channel (GPTQ's grid, symmetric or not) on a CPU: integer dot products on the
+  codes less 128 (``Int8Linear``; an asymmetric zero-point adds ``(128 - zero) · scale`` times the
+  sum of the inputs). torch's weight-only ``_weight_int8pack_mm`` widens every weight to float32
+  and is bound by that compute (about 30 GB/s of weights on 2 AVX-512 cores, where bf16 reads 47);
+  fbgemm's u8 x s8 kernels (VNNI) read at the memory's rate, but quantize their input to 8 bits.
+  So each input row is written as an integer of 14 bits (21 in fp32) times a scale, and that
+  integer as 2 (3) digits of 7 bits, each digit row an exact u8 input to fbgemm: one call
+  multiplies every digit row by the weight, and the digits' products, weighted by 128^j, are the
+  row's product, more precise than a bf16 input (measured: 1.5x to 2x the speed of int8pack at 1
+  to 64 rows, with a quarter of its error in bf16). torch's CUDA int8pack is a reference loop (one
+  thread per output, walking its weight row byte by byte in float32, no tensor cores): on an H200
+  bench/linear_kernels.py over Llama-3-8B's projections did not finish in 50 s with it. On CUDA
+  int8 runs dequantized, and says so;
 - int4 by groups of 32 to 256 inputs: ``torch._weight_int4pack_mm_for_cpu`` on a CPU, and on CUDA
   (compute capability 8.0 on, bf16 activations) ``torch._weight_int4pack_mm``, tinygemm's kernel,
   on codes packed two to a byte, even columns in the high nibble. Both dequantize
@@ -21,6 +28,8 @@ dtype, as the kernels require.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -57,21 +66,66 @@ class PackedLinear(Linear):
 
 
 class Int8Linear(Linear):
+    """int8 codes by output channel on a CPU, multiplied by fbgemm's integer kernel through exact
+    7-bit digit rows of the input (the module's docstring says why); torch's int8pack kernel where
+    this torch has no fbgemm."""
+
     kind = "int8"
 
     def __init__(self, q: QuantizedTensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device):
-        scales = q.scales[:, 0]
-        self.codes = (q.codes.to(torch.int16) - 128).to(torch.int8).to(device)
-        self.scales = scales.to(dtype=dtype, device=device)
+        scales = q.scales[:, 0].float()
+        codes = (q.codes.to(torch.int16) - 128).to(torch.int8)
         offset = (128 - q.zeros[:, 0]) * scales  # zero at the mid-level for symmetric weights: no offset
         self.offset = None if not offset.any() else offset.to(dtype=dtype, device=device)
-        self.bias = bias
+        self.bias, self.dtype = bias, dtype
+        self.digits = 4 if dtype == torch.float32 else 2  # 28 or 14 bits: finer than the input's own mantissa
+        if DIGIT_KERNEL:
+            self.packed = _fbgemm_pack(codes, scales)
+            # what the digits' offset adds to each output: 2^(7 digits - 1) · scale · sum of the row's codes
+            self.digit_offset = ((2.0 ** (7 * self.digits - 1)) * scales.double() * codes.sum(1, dtype=torch.int64).double()).to(
+                torch.float64 if self.digits > 2 else torch.float32)
+        else:
+            self.codes, self.scales = codes.to(device), scales.to(dtype=dtype, device=device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch._weight_int8pack_mm(x, self.codes, self.scales)
+        y = self._digits(x) if DIGIT_KERNEL else torch._weight_int8pack_mm(x, self.codes, self.scales)
         if self.offset is not None:
             y = y + x.sum(-1, keepdim=True) * self.offset
         return y if self.bias is None else y + self.bias
+
+    def _digits(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ (codes · scale)ᵀ`` from one fbgemm call on the digit rows of ``x``: row ``r`` is
+        ``s_r · (u - 2^(b-1))``, ``u`` an integer of ``b = 7 · digits`` bits, ``u = Σ_j 128^j d_j``."""
+        rows, n_in, top = x.shape[0], x.shape[1], 2.0 ** (7 * self.digits - 1)
+        wide = torch.float64 if self.digits > 2 else torch.float32  # exact for u's 28 (14) bits
+        xf = x.to(wide)
+        scale = xf.abs().amax(1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(top - 1)
+        u = torch.div(xf, scale).round_().add_(top)  # 1 .. 2^b - 1
+        digits = torch.empty(self.digits, rows, n_in + 1)  # float32: digits below 256 are exact
+        digits[..., n_in] = 255  # an input of weight zero: fbgemm's 8-bit grid is then the integers
+        for j in range(self.digits - 1):  # the lower digits, then what is left is the top one
+            low = torch.remainder(u, 128)
+            digits[j, :, :n_in] = low
+            u = u.sub_(low).div_(128)
+        digits[-1, :, :n_in] = u
+        out = torch.ops.quantized.linear_dynamic(digits.view(-1, n_in + 1), self.packed, False).view(self.digits, rows, -1)
+        y = out[-1].to(wide)
+        for j in range(self.digits - 2, -1, -1):  # Horner: Σ_j 128^j out_j
+            y = torch.add(out[j], y, alpha=128)
+        return y.sub_(self.digit_offset).mul_(scale).to(self.dtype)
+
+
+def _fbgemm_pack(codes: torch.Tensor, scales: torch.Tensor):
+    """fbgemm's packed form of int8 codes by output channel, with one more input of weight zero."""
+    padded = torch.cat([codes, torch.zeros(codes.shape[0], 1, dtype=torch.int8)], 1)
+    with warnings.catch_warnings():  # torch calls its quantized tensors deprecated; fbgemm still takes them
+        warnings.simplefilter("ignore")
+        weight = torch._make_per_channel_quantized_tensor(padded, scales.double(), torch.zeros(len(scales), dtype=torch.long), 0)
+        return torch.ops.quantized.linear_prepack(weight, None)
+
+
+# fbgemm's integer kernels: on x86 CPU builds of torch (ARM's qnnpack takes other inputs)
+DIGIT_KERNEL = torch.backends.quantized.engine in ("x86", "fbgemm")
 
 
 class Int4Linear(Linear):
