@@ -91,3 +91,26 @@ def test_the_kernel_computes_attention_over_the_blocks_where_they_lie(dtype, cas
     assert ours.dtype == torch.float32 and ours.shape == (*inputs[0].shape[:3], inputs[2].shape[-1])
     expected = reference(*inputs, scale, window, softcap)
     torch.testing.assert_close(ours.cpu().double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU the engine's own tests run the compiled kernel")
+@pytest.mark.parametrize("static", [False, True])
+def test_the_engine_with_the_kernel_gives_transformers_tokens(tmp_path, monkeypatch, static):
+    """The model's glue (query views, GQA heads, tables, lengths, windows, verify rows) around the
+    kernel, checked on the CPU: the engine runs the interpreted kernel in place of torch's decode
+    attention, eagerly on the normal layout (verifying the guesses of a draft: rows m > 1) or on the
+    static decode buffers that CUDA graphs replay, and greedy tokens stay transformers'."""
+    from helpers.engine import prompts_from_text, random_model, transformers_greedy
+    from runner import LLM, SamplingParams
+    from runner.engine import model
+    from runner.engine.kernels.paged_attention import paged_decode_attention
+
+    path = random_model(tmp_path / "mistral", "mistral", sliding_window=24)
+    prompts = prompts_from_text([40, 3, 17, 9])
+    monkeypatch.setattr(model, "_fused_kernel", lambda pool: paged_decode_attention)
+    llm = LLM(path, dtype="fp32", kv_memory=2**20, max_model_len=64, max_num_seqs=3, speculative=None if static else f"draft={path},k=3")
+    if static:
+        llm.engine.decoder = llm.engine.static_decode()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == transformers_greedy(path, prompts, 10)
+    assert static or llm.engine.spec_accepted > 0

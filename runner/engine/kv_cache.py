@@ -103,7 +103,7 @@ class KVPool:
                              "and no latent (MLA) cache yet")
         if cache not in BITS:
             raise InputError(f"kv_cache_dtype {cache}: one of auto, {', '.join(BITS)}")
-        self.num_blocks, self.block_size, self.cache = num_blocks, block_size, cache
+        self.num_blocks, self.block_size, self.cache, self.device = num_blocks, block_size, cache, device
         shape = (arch.layers, num_blocks, arch.kv_heads[0], block_size)
         self.keys = _Store(cache, shape, arch.head_dim, compute, device)
         self.values = _Store(cache, shape, arch.value_dim, compute, device)
@@ -125,6 +125,11 @@ class KVPool:
     def blocks(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of whole blocks ``ids``: [len(ids), kv_heads, block_size, dim]."""
         return self.keys.get(layer, ids), self.values.get(layer, ids)
+
+    def stored(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys and values as stored, [num_blocks, kv_heads, block_size, dim] (for a float
+        or fp8 cache, the values themselves), for a kernel that reads blocks where they lie."""
+        return self.keys.codes[layer], self.values.codes[layer]
 
     def slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at ``slots`` (any shape): [*slots.shape, kv_heads, dim]."""

@@ -32,6 +32,7 @@ from core.errors import InputError
 from core.rope import llama3_bands
 from formats.hf import HFCheckpoint
 from formats.quantized_checkpoint import QuantizedCheckpoint
+from runner.engine.kernels import fused_decode
 from runner.engine.kv_cache import KVPool
 from runner.engine.linear import Linear, fused, make_linear
 
@@ -52,6 +53,7 @@ class DecodeBatch:
     owner: torch.Tensor
     first: torch.Tensor
     length: torch.Tensor  # [sequences, m]: the keys each row sees, its own included
+    table: torch.Tensor  # [sequences, blocks]: each sequence's block table (padded), for the fused kernel
     _per_window: dict = field(default_factory=dict, repr=False)
 
     def scores_bias(self, window: int | None, block_size: int, kv: int, groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -190,18 +192,19 @@ class DecoderModel:
         rotary = {rope: self._rotary(step.positions, inv) for rope, inv in self.inv_freq.items()}
         d = step.decode
         in_order = step.prefill is None and d.valid is None  # then the decode rows are the step's rows, in order
+        kernel = _fused_kernel(pool)
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, self._norm(x, layer["attn_norm"]), rotary[a.rope_of(index)])
             pool.write(index, step.slots, k, v)
             q = pool.queries(q)
             window = a.windows[index]
             if in_order:
-                out = self._decode_attention(q, pool, index, d, window)
+                out = self._decode_attention(q, pool, index, d, window, kernel)
             else:
                 out = torch.empty(q.shape[0], a.heads, a.value_dim, dtype=torch.float32, device=x.device)
                 if d is not None:
                     rows = d.rows.flatten()
-                    attended = self._decode_attention(torch.index_select(q, 0, rows), pool, index, d, window)
+                    attended = self._decode_attention(torch.index_select(q, 0, rows), pool, index, d, window, kernel)
                     if d.valid is None:
                         out[rows] = attended
                     else:
@@ -246,11 +249,18 @@ class DecoderModel:
             q, k = self._norm(q, layer["q_norm"]), self._norm(k, layer["k_norm"])
         return _rotate(q, *rotary), _rotate(k, *rotary), v.view(-1, kv, a.value_dim)
 
-    def _decode_attention(self, q: torch.Tensor, pool: KVPool, layer: int, d: DecodeBatch, window: int | None) -> torch.Tensor:
-        """The decode rows' outputs, [sequences * m, heads, value_dim], from their queries in ``rows`` order."""
+    def _decode_attention(self, q: torch.Tensor, pool: KVPool, layer: int, d: DecodeBatch, window: int | None,
+                          kernel=None) -> torch.Tensor:
+        """The decode rows' outputs, [sequences * m, heads, value_dim], from their queries in ``rows``
+        order: by the fused ``kernel`` where there is one, else by torch over the gathered blocks."""
         a, bs = self.arch, pool.block_size
         kv, groups = a.kv_heads[0], a.heads // a.kv_heads[0]
         n, m = d.length.shape
+        if kernel is not None:
+            keys, values = pool.stored(layer)
+            out = kernel(q.view(n, m, a.heads, a.head_dim), keys, values, d.table, d.length, self.scale, window,
+                         a.attn_softcap or None)
+            return out.view(n * m, a.heads, a.value_dim)
         width = m * groups  # the queries each block is scored against, per key-value head
         keys, values = pool.blocks(layer, d.ids)  # [blocks, kv, bs, dim], as the pool lays them out
         nb = d.ids.numel()
@@ -294,6 +304,15 @@ class DecoderModel:
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None], scale=self.scale,
                                                  enable_gqa=True)  # [chunks, heads, tokens, dim]
         return out.transpose(1, 2)[p.valid]
+
+
+def _fused_kernel(pool: KVPool):
+    """The fused paged decode-attention kernel where it runs (CUDA, a float cache, Triton), else None."""
+    if not fused_decode(pool.device, pool.cache):
+        return None
+    from runner.engine.kernels.paged_attention import paged_decode_attention
+
+    return paged_decode_attention
 
 
 def _outputs(layers: list[Linear], x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
