@@ -268,7 +268,8 @@ def test_a_share_of_memory_is_capped_at_what_the_running_sequences_can_fill():
     assert LLM(TINY, max_num_seqs=4, max_model_len=256, kv_memory=8 * 2**20).engine.blocks.num_blocks > 4 * 256 // 16
 
 
-@pytest.mark.parametrize("name, engine", [("mistral", {}), ("llama-untied", {"block_size": 7}), ("qwen2", {"speculative": "ngram"})])
+@pytest.mark.parametrize("name, engine", [pytest.param("mistral", {}, marks=pytest.mark.check), ("llama-untied", {"block_size": 7}),
+                                          ("qwen2", {"speculative": "ngram"})])
 def test_static_decode_steps_give_the_normal_layouts_tokens(models, prompts, monkeypatch, name, engine):
     """The decode path CUDA graphs replay (runner/engine/static_decode.py), run eagerly on the CPU:
     batches padded to their bucket, padding rows decoding into the scratch block, the block tables
