@@ -94,6 +94,16 @@ def test_the_kernel_computes_attention_over_the_blocks_where_they_lie(dtype, cas
     torch.testing.assert_close(ours.cpu().double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+def test_a_wide_table_gets_longer_partitions_not_more(monkeypatch):
+    """Past MAX_PARTS partitions (a table padded to a long max_model_len), each partition grows."""
+    from runner.engine.kernels import paged_attention
+
+    monkeypatch.setattr(paged_attention, "MAX_PARTS", 2)
+    inputs = make_inputs(CASES["gqa"], "float32", DEVICE)
+    ours = paged_attention.paged_decode_attention(*inputs, 0.25, None, None, partition=16, tile=16)
+    torch.testing.assert_close(ours.cpu().double(), reference(*inputs, 0.25, None, None), atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.skipif(CUDA, reason="on a GPU the engine's own tests run the compiled kernel")
 @pytest.mark.parametrize("static", [False, True])
 def test_the_engine_with_the_kernel_gives_transformers_tokens(tmp_path, monkeypatch, static):

@@ -11,7 +11,8 @@ reads keys and values through the sequences' block tables:
   all of its sequence's queries at once, and a softmax across each sequence's blocks (a segment
   max and sum by scatter) combines them, so sequences of different lengths run together without
   padding to the longest (only a last block is partly empty), and a verify step's rows go through
-  the kernels of a decode step's;
+  the kernels of a decode step's; on CUDA with a float or fp8 cache, one fused Triton kernel
+  (kernels/paged_attention.py) reads the blocks where they lie through the block table instead;
 - prefill chunks (a prompt's tokens) attend to the sequence's cached keys and to each other in one
   masked attention over the chunks of the step, causal within each sequence.
 
@@ -49,9 +50,9 @@ class DecodeBatch:
 
     rows: torch.Tensor  # [sequences, m]
     valid: torch.Tensor | None  # [sequences, m]
-    ids: torch.Tensor
-    owner: torch.Tensor
-    first: torch.Tensor
+    ids: torch.Tensor | None  # the blocks (None where the fused kernel reads the table instead)
+    owner: torch.Tensor | None
+    first: torch.Tensor | None
     length: torch.Tensor  # [sequences, m]: the keys each row sees, its own included
     table: torch.Tensor  # [sequences, blocks]: each sequence's block table (padded), for the fused kernel
     _per_window: dict = field(default_factory=dict, repr=False)

@@ -23,6 +23,7 @@ from bisect import bisect_left
 import numpy as np
 import torch
 
+from runner.engine.kernels import fused_decode
 from runner.engine.kv_cache import KVPool
 from runner.engine.model import DecodeBatch, DecoderModel, Step
 from runner.engine.sequence import Sequence
@@ -41,8 +42,10 @@ class StaticDecode:
         size, device = self.buckets[-1], pool.device
         self.packed = torch.zeros(size, 4 + max_blocks, dtype=torch.long, device=device)
         self.rows = torch.arange(size, device=device)
-        self.owner = self.rows.repeat_interleave(max_blocks)  # the torch path's blocks: every column of every row
-        self.first = (torch.arange(max_blocks, device=device) * pool.block_size).repeat(size)
+        self.fused = fused_decode(device, pool.cache)
+        if not self.fused:  # torch's attention reads every column of every row, as blocks
+            self.owner = self.rows.repeat_interleave(max_blocks)
+            self.first = (torch.arange(max_blocks, device=device) * pool.block_size).repeat(size)
         self.fill([], size)
 
     def bucket(self, sequences: int) -> int:
@@ -67,8 +70,9 @@ class StaticDecode:
         whatever the next ``fill`` writes."""
         packed, blocks = self.packed[:bucket], bucket * (self.packed.shape[1] - 4)
         table = packed[:, 4:]
-        decode = DecodeBatch(rows=self.rows[:bucket, None], valid=None, ids=table.reshape(-1), owner=self.owner[:blocks],
-                             first=self.first[:blocks], length=packed[:, 3:4], table=table)
+        ids, owner, first = (None, None, None) if self.fused else (table.reshape(-1), self.owner[:blocks], self.first[:blocks])
+        decode = DecodeBatch(rows=self.rows[:bucket, None], valid=None, ids=ids, owner=owner, first=first,
+                             length=packed[:, 3:4], table=table)
         return Step(packed[:, 0], packed[:, 1], packed[:, 2], decode, None, self.rows[:bucket])
 
     def run(self, seqs: list[Sequence]) -> torch.Tensor:

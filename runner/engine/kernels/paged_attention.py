@@ -17,7 +17,9 @@ Two launches (flash-decoding's split, as vLLM's paged attention v2 does it):
 - ``_combine``: per row and head, the partitions' results rescaled to their common maximum and summed.
 
 The partition count comes from the block table's width, never from the lengths' values: a
-static table (``static_decode.py``) gives a static grid, which a CUDA graph can replay.
+static table (``static_decode.py``) gives a static grid, which a CUDA graph can replay. A table
+wide enough for more than ``MAX_PARTS`` partitions gets longer partitions instead, so that the
+combining program holds at most ``MAX_PARTS`` partial results.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+MAX_PARTS = 64
 
 @triton.jit
 def _tanh(x):
@@ -45,7 +48,7 @@ def _partition(q, keys, values, table, lengths, part_max, part_sum, part_out,
     i = tl.arange(0, ROWS)  # the program's query rows: row i // GROUPS of head kv * GROUPS + i % GROUPS
     real = i < M * GROUPS
     row, head = i // GROUPS, kv * GROUPS + i % GROUPS
-    length = tl.load(lengths + seq * len_seq + row * len_row, mask=real, other=0)  # keys each row sees
+    length = tl.load(lengths + seq * len_seq + row * len_row, mask=real, other=0).to(tl.int32)  # keys each row sees
     d, dv = tl.arange(0, DIM_P), tl.arange(0, VDIM_P)
     queries = tl.load(q + seq * q_seq + row[:, None] * q_row + head[:, None] * q_head + d[None, :],
                       mask=real[:, None] & (d[None, :] < DIM), other=0.0)
@@ -107,14 +110,16 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     (in the keys' compute dtype) over one layer's ``keys`` ``[blocks, kv_heads, block_size, dim]``
     and ``values`` (``value_dim``): sequence ``s`` reads blocks ``table[s, :]`` and its row ``r``
     sees its first ``lengths[s, r]`` positions (the last ``window`` of them where there is a
-    window). ``partition`` (positions per program) and ``tile`` (per iteration) are powers of two
-    of at least 16."""
+    window). ``partition`` (positions per program, at least) and ``tile`` (per iteration) are
+    powers of two of at least 16."""
     seqs, m, heads, dim = q.shape
     _, kv, block, _ = keys.shape
     vdim, groups = values.shape[-1], heads // kv
     if q.stride(-1) != 1:
         q = q.contiguous()
-    parts = max(1, -(-table.shape[1] * block // partition))
+    longest = table.shape[1] * block
+    partition = max(partition, triton.next_power_of_2(-(-longest // MAX_PARTS)))
+    parts = max(1, -(-longest // partition))
     dims = dict(DIM=dim, DIM_P=max(16, triton.next_power_of_2(dim)), VDIM=vdim, VDIM_P=max(16, triton.next_power_of_2(vdim)))
     part_max = torch.empty(seqs, m, heads, parts, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
