@@ -1,7 +1,8 @@
 """The engine loop: schedule a step, lay out its batch, run the model, sample, retire what finished.
 
-``Engine`` owns the model, the KV pool, the block manager and the scheduler; ``step()`` advances
-every scheduled sequence by its share of the step and returns the sequences that finished in it.
+``Engine`` owns the model, the KV pool, the block manager and the scheduler (and on CUDA the graphs
+that replay decode-only steps); ``step()`` advances every scheduled sequence by its share of the
+step and returns the sequences that finished in it.
 """
 
 from __future__ import annotations

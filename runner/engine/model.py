@@ -23,6 +23,7 @@ rest in the weights' dtype, as transformers does.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -251,7 +252,7 @@ class DecoderModel:
         return _rotate(q, *rotary), _rotate(k, *rotary), v.view(-1, kv, a.value_dim)
 
     def _decode_attention(self, q: torch.Tensor, pool: KVPool, layer: int, d: DecodeBatch, window: int | None,
-                          kernel=None) -> torch.Tensor:
+                          kernel: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
         """The decode rows' outputs, [sequences * m, heads, value_dim], from their queries in ``rows``
         order: by the fused ``kernel`` where there is one, else by torch over the gathered blocks."""
         a, bs = self.arch, pool.block_size
@@ -307,7 +308,7 @@ class DecoderModel:
         return out.transpose(1, 2)[p.valid]
 
 
-def _fused_kernel(pool: KVPool):
+def _fused_kernel(pool: KVPool) -> Callable[..., torch.Tensor] | None:
     """The fused paged decode-attention kernel where it runs (CUDA, a float cache, Triton), else None."""
     if not fused_decode(pool.device, pool.cache):
         return None
