@@ -297,7 +297,7 @@ def test_decode_buckets_are_vllms_up_to_max_num_seqs():
 
 
 @pytest.mark.parametrize("command", ["generate", "bench"])
-def test_enforce_eager_reaches_the_engine_from_every_command(monkeypatch, capsys, command):
+def test_enforce_eager_reaches_the_engine_from_the_commands(monkeypatch, capsys, command):
     from helpers.cli import quantize
     from runner.engine.engine import Engine
 
@@ -310,6 +310,8 @@ def test_enforce_eager_reaches_the_engine_from_every_command(monkeypatch, capsys
         code, _, err = quantize(monkeypatch, capsys, command, TINY, *args, "--kv-memory", "16MiB", *eager)
         assert code == 0, err
     assert [c.enforce_eager for c in configs] == [True, False]
-    assert LLM(TINY, kv_memory=2**20, max_model_len=64, enforce_eager=True).engine.config.enforce_eager
+    assert LLM(TINY, kv_memory=2**20, max_model_len=64, enforce_eager=True).engine.decoder is None
+    graphs = LLM(TINY, kv_memory=2**20, max_model_len=64, max_num_seqs=2).engine.decoder
+    assert (graphs is None) == (not torch.cuda.is_available())  # a CPU never runs graphs
     code, out, _ = quantize(monkeypatch, capsys, "serve", "--help")
     assert code == 0 and "--enforce-eager" in out
