@@ -225,17 +225,18 @@ _SPEC = typer.Option(None, "--speculative", help="Guess tokens and verify them i
                      "',k=N' guesses per step (default 4).")
 _PREFIX = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching",
                        help="Share the KV blocks of prompts' common starts between requests.")
+_EAGER = typer.Option(False, "--enforce-eager", help="No CUDA graphs: decode steps run op by op (a CPU always runs so).")
 
 
 def _llm(model: Path, dtype: str, kv_cache_dtype: str, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
          kv_memory: Optional[str], max_model_len: Optional[int], enable_prefix_caching: bool,
-         speculative: Optional[str] = None):
+         speculative: Optional[str] = None, enforce_eager: bool = False):
     from runner.engine.engine import parse_memory
     from runner.engine.llm import LLM
 
     return LLM(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens,
                parse_memory(kv_memory) if kv_memory is not None else None, max_model_len,
-               enable_prefix_caching=enable_prefix_caching, speculative=speculative)
+               enable_prefix_caching=enable_prefix_caching, speculative=speculative, enforce_eager=enforce_eager)
 
 
 @app.command()
@@ -249,14 +250,14 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Makes sampling reproducible."),
     dtype: str = _DTYPE, kv_cache_dtype: str = _KV_DTYPE, block_size: int = _BLOCK, max_num_seqs: int = _SEQS,
     max_num_batched_tokens: int = _TOKENS, kv_memory: Optional[str] = _KV_MEMORY, max_model_len: Optional[int] = _MAX_LEN,
-    enable_prefix_caching: bool = _PREFIX, speculative: Optional[str] = _SPEC,
+    enable_prefix_caching: bool = _PREFIX, speculative: Optional[str] = _SPEC, enforce_eager: bool = _EAGER,
 ) -> None:
     """Continue a prompt with the engine, streaming the text to the terminal."""
     from runner.engine.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     llm = _llm(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, kv_memory, max_model_len,
-               enable_prefix_caching, speculative)
+               enable_prefix_caching, speculative, enforce_eager)
     sys.stdout.write(prompt)
     for piece in llm.stream(prompt, params):
         sys.stdout.write(piece)
@@ -275,7 +276,7 @@ def bench(
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout (fields in docs/runner.md)."),
     dtype: str = _DTYPE, kv_cache_dtype: str = _KV_DTYPE, block_size: int = _BLOCK, max_num_seqs: int = _SEQS,
     max_num_batched_tokens: int = _TOKENS, kv_memory: Optional[str] = _KV_MEMORY, max_model_len: Optional[int] = _MAX_LEN,
-    enable_prefix_caching: bool = _PREFIX, speculative: Optional[str] = _SPEC,
+    enable_prefix_caching: bool = _PREFIX, speculative: Optional[str] = _SPEC, enforce_eager: bool = _EAGER,
 ) -> None:
     """Measure the engine on a fixed workload: TTFT, TPOT, inter-token latency, tokens/s, KV blocks, memory."""
     import json
@@ -290,7 +291,7 @@ def bench(
     with progress_bar(console) as progress:
         for spec in runs:
             llm = _llm(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, kv_memory,
-                       max_model_len, enable_prefix_caching, spec)
+                       max_model_len, enable_prefix_caching, spec, enforce_eager)
             task = progress.add_task("requests" + (f" ({spec})" if spec else ""), total=workload.requests)
             results.append(run_bench(llm, text, workload, lambda: progress.advance(task)))
             del llm
@@ -326,7 +327,7 @@ def serve(
     max_request_bytes: Optional[int] = typer.Option(None, "--max-request-bytes", help="Larger request bodies get 413 before parsing (default: 1 MiB + 64 bytes per token of context)."),
     dtype: str = _DTYPE, kv_cache_dtype: str = _KV_DTYPE, block_size: int = _BLOCK, max_num_seqs: int = _SEQS,
     max_num_batched_tokens: int = _TOKENS, kv_memory: Optional[str] = _KV_MEMORY, max_model_len: Optional[int] = _MAX_LEN,
-    enable_prefix_caching: bool = _PREFIX, speculative: Optional[str] = _SPEC,
+    enable_prefix_caching: bool = _PREFIX, speculative: Optional[str] = _SPEC, enforce_eager: bool = _EAGER,
 ) -> None:
     """Serve a model with the engine behind an OpenAI-compatible API (completions, chat, streaming, /metrics)."""
     from formats.hub import hub_id
@@ -335,7 +336,7 @@ def serve(
 
     check_options(host, port, max_waiting, max_request_bytes)
     llm = _llm(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, kv_memory, max_model_len,
-               enable_prefix_caching, speculative)
+               enable_prefix_caching, speculative, enforce_eager)
     run_server(llm, host, port, served_model_name or (str(model) if hub_id(model) else model.resolve().name), api_key, max_waiting, chat_template,
                lambda line: console.print(escape(line), highlight=False), max_request_bytes)
 

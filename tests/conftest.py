@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+
+# Triton decides when it is imported whether its kernels run interpreted; transformers imports it
+# (through torch._dynamo) long before a test asks. Without a GPU, the engine's Triton kernels are
+# tested in the interpreter (tests/test_paged_attention.py), so it is switched on here, first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED = REPO / "recipes" / "bundled"

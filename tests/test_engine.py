@@ -68,7 +68,8 @@ def test_the_cache_costs_what_quantize_fit_says(models):
         for kv in ("fp16", "bf16", "fp32", "fp8", "int8", "int4"):
             assert bytes_per_token(shape.arch, kv) == kv_bytes_per_token(shape, kv, 1)
     llm = LLM(TINY, kv_memory=8 * 2**20, block_size=16)
-    assert llm.engine.pool.nbytes == llm.engine.blocks.num_blocks * 16 * kv_bytes_per_token(load_model_shape(str(TINY)), "bf16", 1)
+    per_block = 16 * kv_bytes_per_token(load_model_shape(str(TINY)), "bf16", 1)
+    assert llm.engine.pool.nbytes == (llm.engine.blocks.num_blocks + 1) * per_block  # and one scratch block
     assert llm.engine.pool.nbytes <= 8 * 2**20
 
 
@@ -265,3 +266,52 @@ def test_a_share_of_memory_is_capped_at_what_the_running_sequences_can_fill():
     llm = LLM(TINY, max_num_seqs=4, max_model_len=256, kv_memory=0.5)
     assert llm.engine.blocks.num_blocks == 4 * 256 // 16
     assert LLM(TINY, max_num_seqs=4, max_model_len=256, kv_memory=8 * 2**20).engine.blocks.num_blocks > 4 * 256 // 16
+
+
+@pytest.mark.parametrize("name, engine", [pytest.param("mistral", {}, marks=pytest.mark.check), ("llama-untied", {"block_size": 7}),
+                                          ("qwen2", {"speculative": "ngram"})])
+def test_static_decode_steps_give_the_normal_layouts_tokens(models, prompts, monkeypatch, name, engine):
+    """The decode path CUDA graphs replay (runner/engine/static_decode.py), run eagerly on the CPU:
+    batches padded to their bucket, padding rows decoding into the scratch block, the block tables
+    padded to max_model_len. Outputs of different lengths make the batches ragged."""
+    from runner.engine.static_decode import StaticDecode
+
+    params = [SamplingParams(max_tokens=6 + i % 7, temperature=0, ignore_eos=True) for i in range(len(prompts))]
+    options = dict(dtype="fp32", kv_memory=4 * 2**20, max_model_len=128, max_num_seqs=6) | engine
+    reference = [o.token_ids for o in LLM(models[name], **options).generate(prompts, params)]
+    llm = LLM(models[name], **options)
+    llm.engine.decoder = llm.engine.static_decode()
+    batches = []
+    fill = StaticDecode.fill
+    monkeypatch.setattr(StaticDecode, "fill", lambda self, seqs, bucket: (batches.append((len(seqs), bucket)), fill(self, seqs, bucket)))
+    assert [o.token_ids for o in llm.generate(prompts, params)] == reference
+    assert any(n < bucket for n, bucket in batches) and any(n == bucket > 1 for n, bucket in batches)
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+
+
+def test_decode_buckets_are_vllms_up_to_max_num_seqs():
+    from runner.engine.static_decode import buckets
+
+    assert buckets(256) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256]
+    assert buckets(3) == [1, 2, 3] and buckets(1) == [1] and buckets(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_enforce_eager_reaches_the_engine_from_the_commands(monkeypatch, capsys, command):
+    from helpers.cli import quantize
+    from runner.engine.engine import Engine
+
+    configs = []
+    build = Engine.__init__
+    monkeypatch.setattr(Engine, "__init__", lambda self, model, config: (configs.append(config), build(self, model, config))[1])
+    args = {"generate": ["--prompt", "It was", "--max-tokens", "2"], "bench": ["--requests", "1", "--prompt-tokens", "8",
+                                                                            "--output-tokens", "2", "--json"]}[command]
+    for eager in (["--enforce-eager"], []):
+        code, _, err = quantize(monkeypatch, capsys, command, TINY, *args, "--kv-memory", "16MiB", *eager)
+        assert code == 0, err
+    assert [c.enforce_eager for c in configs] == [True, False]
+    assert LLM(TINY, kv_memory=2**20, max_model_len=64, enforce_eager=True).engine.decoder is None
+    graphs = LLM(TINY, kv_memory=2**20, max_model_len=64, max_num_seqs=2).engine.decoder
+    assert (graphs is None) == (not torch.cuda.is_available())  # a CPU never runs graphs
+    code, out, _ = quantize(monkeypatch, capsys, "serve", "--help")
+    assert code == 0 and "--enforce-eager" in out

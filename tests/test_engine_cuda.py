@@ -1,9 +1,10 @@
 """The engine on a CUDA device, where one is present: int4 variants run on tinygemm's CUDA kernel
 (not a dequantized copy) and compute what their dequantized weights compute; int8 runs
 dequantized there and says so; a seeded sampled request draws the same tokens on the GPU as on
-the CPU. The rest of the engine's tests (test_engine.py, test_engine_quantized.py,
-test_speculative.py, test_server.py) run on CUDA unchanged on such a machine: the engine picks
-the device itself."""
+the CPU; decode steps replay CUDA graphs and give the tokens of eager steps; float caches are read
+by the fused paged-attention kernel. The rest of the engine's tests (test_engine.py, test_engine_quantized.py,
+test_speculative.py, test_server.py, test_paged_attention.py) run on CUDA unchanged on such a
+machine: the engine picks the device itself, and there captures graphs and runs the kernel."""
 
 from __future__ import annotations
 
@@ -87,3 +88,36 @@ def test_a_seeded_request_draws_on_cuda_what_it_draws_on_the_cpu(monkeypatch):
     llm = _llm(TINY, "fp32")
     assert llm.engine.device.type == "cpu"
     assert [o.token_ids for o in llm.generate(prompts, params)] == on_cuda
+
+
+@pytest.mark.parametrize("cache", ["fp32", "fp8"])
+def test_decode_steps_replay_cuda_graphs_and_give_the_eager_tokens(cache):
+    """A graph per bucket is captured at start; every decode-only step replays one (prefill and
+    mixed steps run eagerly), and greedy tokens are those of the same engine with enforce_eager,
+    for outputs of different lengths (ragged, padded batches)."""
+    from conftest import TINY
+    from runner.engine.cuda_graphs import CudaGraphs
+    from runner.engine.static_decode import buckets
+
+    prompts = prompts_from_text()
+    params = [SamplingParams(max_tokens=8 + i % 9, temperature=0, ignore_eos=True) for i in range(len(prompts))]
+    options = dict(dtype="fp32", kv_cache_dtype=cache, kv_memory=16 * 2**20, max_model_len=256, max_num_seqs=12)
+    eager = LLM(TINY, enforce_eager=True, **options)
+    assert eager.engine.decoder is None
+    expected = [o.token_ids for o in eager.generate(prompts, params)]
+    llm = LLM(TINY, **options)
+    graphs = llm.engine.decoder
+    assert isinstance(graphs, CudaGraphs) and sorted(graphs.graphs) == buckets(12) == [1, 2, 4, 8, 12]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert graphs.replays > 10
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+
+
+def test_the_fused_kernel_reads_float_caches_on_cuda_and_quantized_ones_stay_on_torch():
+    from conftest import TINY
+    from runner.engine.model import _fused_kernel
+
+    for cache, fused in (("bf16", True), ("fp8", True), ("int8", False), ("int4", False)):
+        llm = LLM(TINY, dtype="bf16", kv_cache_dtype=cache, kv_memory=16 * 2**20, max_model_len=256)
+        assert (_fused_kernel(llm.engine.pool) is not None) == fused
+        assert (llm.engine.decoder is not None) == fused  # graphs where the kernel runs: a q8_0/q4_0 cache encodes on the CPU

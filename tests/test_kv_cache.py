@@ -73,3 +73,43 @@ def test_llama_cpp_keeps_rotary_pairs_of_llama_heads_side_by_side():
     assert pairs_side_by_side(8).tolist() == [0, 4, 1, 5, 2, 6, 3, 7]  # the order our GGUF converter permutes q/k rows into
     assert interleaves_rope_pairs({"model_type": "llama"}) and interleaves_rope_pairs({"model_type": "mistral"})
     assert not interleaves_rope_pairs({"model_type": "qwen2"})  # NEOX rope: llama.cpp keeps transformers' order
+
+
+def _rows_with_edges() -> torch.Tensor:
+    """Random rows at many magnitudes, and blocks built on the encoders' edges: all zeros, halves
+    that round away from zero (q8_0 with d = 1), equal magnitudes of both signs (q4_0 takes the
+    first), a level past 15, values whose scale is subnormal or beyond fp16."""
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(256, 128, generator=g) * torch.logspace(-6, 4, 256)[:, None]
+    edges = torch.zeros(8, 128)
+    edges[1, :32] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 126.5, -126.5, 1.5] * 4)
+    edges[2, :32] = torch.tensor([-8.0, 8.0, 0.5, -0.5, 7.5, -7.5, 3.5, -4.5] * 4)
+    edges[3, :32] = torch.tensor([8.0, -8.0, 0.5, -0.5, 7.5, -7.5, 3.5, -4.5] * 4)
+    edges[4] = torch.randn(128, generator=g) * 1e-30
+    edges[5] = torch.randn(128, generator=g) * 1e8
+    edges[6, ::2] = -0.0
+    edges[7, 32:64] = torch.arange(32) - 16.0
+    return torch.cat([rows, edges])
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0"])
+def test_the_engines_torch_blocks_are_the_ggml_encoders_bytes(ggml_type, device):
+    """The engine's cache encodes on its own device (quant/ggml/device_blocks.py); its blocks are
+    quant.ggml.encode's (what the recipe's simulation quantizes with) byte for byte, and decode to its values."""
+    from quant.ggml import encode
+    from quant.ggml.device_blocks import decode_q4_0, decode_q8_0, encode_q4_0, encode_q8_0
+
+    rows = _rows_with_edges()
+    with np.errstate(over="ignore", invalid="ignore"):  # the scales beyond fp16: inf, and inf * 0 decodes to NaN
+        reference = encode(rows, ggml_type, "KV cache")
+        expected = reference.dequantize()
+    encoder, decoder = {"Q8_0": (encode_q8_0, decode_q8_0), "Q4_0": (encode_q4_0, decode_q4_0)}[ggml_type]
+    codes, scales = encoder(rows.to(device))
+    assert codes.device.type == scales.device.type == device
+    ours = torch.cat([scales.cpu()[..., None].view(torch.uint8), codes.cpu().view(torch.uint8).unflatten(-1, (4, -1))], -1)
+    assert np.array_equal(ours.flatten(1).numpy(), reference.raw.reshape(len(rows), -1))
+    torch.testing.assert_close(decoder(codes, scales).cpu(), expected, rtol=0, atol=0, equal_nan=True)

@@ -61,7 +61,7 @@ def _decode_batch(decode: list[tuple[int, int, int, int]], table: torch.Tensor, 
     padded = any(d[3] < m for d in decode)
     return DecodeBatch(rows=start[:, None] + offsets, valid=torch.arange(m, device=dev) < n[:, None] if padded else None,
                        ids=table[seq_index[owner], within], owner=owner, first=within * bs,
-                       length=(end - n)[:, None] + offsets + 1)
+                       length=(end - n)[:, None] + offsets + 1, table=table[seq_index])
 
 
 def _prefill_batch(prefill: list[tuple[int, int, int]], scheduled, table: torch.Tensor, bs: int, dev) -> PrefillBatch | None:

@@ -1,7 +1,8 @@
 """The engine loop: schedule a step, lay out its batch, run the model, sample, retire what finished.
 
-``Engine`` owns the model, the KV pool, the block manager and the scheduler; ``step()`` advances
-every scheduled sequence by its share of the step and returns the sequences that finished in it.
+``Engine`` owns the model, the KV pool, the block manager and the scheduler (and on CUDA the graphs
+that replay decode-only steps); ``step()`` advances every scheduled sequence by its share of the
+step and returns the sequences that finished in it.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from core.errors import InputError
 from runner.engine.batch import layout
 from runner.engine.block_manager import BlockManager
 from runner.engine.checkpoint import open_model
+from runner.engine.kernels import fused_decode
 from runner.engine.kv_cache import BITS, FLOAT_CACHES, KVPool, bytes_per_token, float_cache
 from runner.engine.model import DecoderModel
 from runner.engine.sampling import SamplingParams, sample
 from runner.engine.scheduler import Scheduler
 from runner.engine.sequence import Sequence, Status
 from runner.engine.speculative import DraftProposer, NgramProposer, SpeculativeConfig, verify
+from runner.engine.static_decode import StaticDecode
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}  # the options' names and config.json's
@@ -37,7 +40,8 @@ class EngineConfig:
     weights are loaded), then no more than ``max_num_seqs`` sequences of ``max_model_len`` fill;
     ``max_model_len``: the longest sequence, prompt and output (default: the model's context);
     ``enable_prefix_caching``: share the KV blocks of prompts' common starts; ``speculative``: guess
-    tokens with a draft model or prompt lookup, verified in one step."""
+    tokens with a draft model or prompt lookup, verified in one step; ``enforce_eager``: no CUDA
+    graphs, every step runs op by op (on a CPU, always so)."""
 
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -49,6 +53,7 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     speculative: SpeculativeConfig | None = None
+    enforce_eager: bool = False
 
 
 class Engine:
@@ -73,17 +78,19 @@ class Engine:
             raise InputError(f"kv_cache_dtype {cache}: one of auto, {', '.join(BITS)}")
         per_block = bytes_per_token(arch, cache) * config.block_size
         budget = _budget(config.kv_memory)
-        num_blocks = int(budget // per_block)
+        num_blocks = int(budget // per_block) - 1  # the pool's last block is scratch (padding rows of a static step)
         needed = -(-self.max_model_len // config.block_size)
         if not (isinstance(config.kv_memory, (int, float)) and config.kv_memory > 1):
             # a share of memory, not bytes asked for: no more than max_num_seqs full-length sequences use
             num_blocks = min(num_blocks, config.max_num_seqs * needed)
         if num_blocks < needed:
-            raise InputError(f"KV memory {budget / 2**20:,.1f} MiB holds {num_blocks} blocks of {config.block_size} tokens; "
+            raise InputError(f"KV memory {budget / 2**20:,.1f} MiB holds {max(num_blocks, 0)} blocks of {config.block_size} tokens "
+                             f"and one of scratch; "
                              f"one sequence of max_model_len {self.max_model_len} needs {needed} "
                              f"({needed * per_block / 2**20:,.1f} MiB): give more kv_memory or a smaller max_model_len")
-        self.pool = KVPool(arch, num_blocks, config.block_size, cache, dtype, self.device)
+        self.pool = KVPool(arch, num_blocks + 1, config.block_size, cache, dtype, self.device)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scratch_block = num_blocks
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos = {t for t in (_as_list(self.ckpt.config.get("eos_token_id"))) if isinstance(t, int)}
         self._next_id = 0
@@ -95,6 +102,17 @@ class Engine:
         self.proposer = None if spec is None else NgramProposer(spec) if spec.method == "ngram" else \
             DraftProposer(spec, self.model, self.ckpt, num_blocks * config.block_size
                           + config.max_num_seqs * (spec.num_tokens + config.block_size), config.block_size)
+        # decode-only steps replayed from CUDA graphs, where the fused kernel reads the cache
+        self.decoder = None
+        if self.device.type == "cuda" and not config.enforce_eager and fused_decode(self.device, cache):
+            from runner.engine.cuda_graphs import CudaGraphs
+
+            self.decoder = CudaGraphs(self.static_decode())
+
+    def static_decode(self) -> StaticDecode:
+        """Fixed buffers for decode-only steps of up to ``max_num_seqs`` sequences of ``max_model_len``."""
+        return StaticDecode(self.model, self.pool, self.config.max_num_seqs, -(-self.max_model_len // self.config.block_size),
+                            self.scratch_block)
 
     def _dtype(self, name: str, option: str) -> torch.dtype:
         if name == "auto":  # the checkpoint's; bf16 for fp16 on a CPU, which computes fp16 slowly
@@ -139,8 +157,12 @@ class Engine:
         now = time.perf_counter()
         for seq, _ in scheduled:
             seq.first_scheduled = seq.first_scheduled or now
-        step, sampled = layout(scheduled, self.config.block_size, self.device, self._decode_rows)
-        logits = self.model.forward(step, self.pool)
+        if self.decoder is not None and _decodes_only(scheduled):
+            sampled = [seq for seq, _ in scheduled]
+            logits = self.decoder.run(sampled)
+        else:
+            step, sampled = layout(scheduled, self.config.block_size, self.device, self._decode_rows)
+            logits = self.model.forward(step, self.pool)
         for seq, n in scheduled:
             seq.num_computed += n - len(seq.draft_ids)  # guesses' keys count once accepted (below)
         new_tokens = self._choose(logits, sampled)
@@ -227,6 +249,13 @@ class Engine:
         if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+
+def _decodes_only(scheduled: list[tuple[Sequence, int]]) -> bool:
+    """Whether every scheduled sequence computes just its last token (no prompt chunk, no guesses):
+    a step of the static decode path."""
+    return all(n == 1 and seq.num_computed + 1 == seq.num_tokens and not seq.draft_ids for seq, n in scheduled)
+
 
 def _logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], asked: list[int | None]) -> tuple[list, list]:
     """Per chosen token (``tokens[i]``, sampled from ``logits[rows[i]]``): its log-probability

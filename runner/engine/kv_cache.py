@@ -6,10 +6,11 @@ lies; a token's slot is ``block * block_size + offset``. The cache types are ``q
 
 - ``fp32``, ``fp16``, ``bf16``: stored as they are;
 - ``fp8``: vLLM's e4m3 cache without scales (each value saturated to ±448);
-- ``int8``, ``int4``: llama.cpp's ``q8_0``/``q4_0`` blocks (32 values and an fp16 scale), encoded by
-  the same code as the recipe's ``kv_cache`` simulation (quant/kv_cache.py), with what goes with
-  them there: keys and queries in llama.cpp's channel order for Llama heads, a Walsh-Hadamard
-  rotation of keys (and queries) and values before encoding, and q8_0 queries. Attention runs in
+- ``int8``, ``int4``: llama.cpp's ``q8_0``/``q4_0`` blocks (32 values and an fp16 scale), encoded
+  and decoded by torch on the pool's device (quant/ggml/device_blocks.py), byte for byte as the
+  recipe's ``kv_cache`` simulation (quant/kv_cache.py) encodes them, with what goes with them
+  there: keys and queries in llama.cpp's channel order for Llama heads, a Walsh-Hadamard rotation
+  of keys (and queries) and values before encoding, and q8_0 queries. Attention runs in
   that rotated space (dot products are unchanged by it) and its output is rotated back, so the
   engine computes what the report scored, from codes it really stores.
 
@@ -19,13 +20,12 @@ model and cache type, so a quantized cache really holds more tokens in the same 
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from core.architecture import Architecture
 from core.errors import InputError
 from core.rope import pairs_side_by_side
-from quant.ggml import encode
+from quant.ggml.device_blocks import decode_q4_0, decode_q8_0, encode_q4_0, encode_q8_0
 from quant.kv_cache import GGML_TYPES, rotate_blocks, rotations
 from quant.kv_cache import KVCacheSpec
 
@@ -69,13 +69,9 @@ class _Store:
         elif self.cache == "fp8":
             self.codes[layer][block, :, offset] = x.float().clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
         else:
-            tokens, heads, dim = x.shape
-            raw = encode(x.float().reshape(-1, dim).cpu(), GGML_TYPES[self.cache], "KV cache").raw
-            raw = raw.reshape(tokens, heads, dim // 32, -1)
-            scales = np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0]
-            codes = np.ascontiguousarray(raw[..., 2:]).reshape(tokens, heads, -1)
-            self.codes[layer][block, :, offset] = torch.from_numpy(codes.view(np.int8) if self.cache == "int8" else codes).to(self.codes.device)
-            self.scales[layer][block, :, offset] = torch.from_numpy(scales).to(self.scales.device)
+            codes, scales = (encode_q8_0 if self.cache == "int8" else encode_q4_0)(x)
+            self.codes[layer][block, :, offset] = codes
+            self.scales[layer][block, :, offset] = scales
 
     def get(self, layer: int, *index) -> torch.Tensor:
         """Dequantized entries: of whole blocks (``index``: block ids; index_select, several times as
@@ -86,13 +82,7 @@ class _Store:
         codes = pick(self.codes)
         if self.cache in FLOAT_CACHES or self.cache == "fp8":
             return codes.to(self.compute)
-        scales = pick(self.scales).float()
-        if self.cache == "int8":
-            values = codes.float().unflatten(-1, (-1, 32))
-        else:  # q4_0: byte j of a block holds value j in its low nibble and value j + 16 in its high one
-            blocks = codes.unflatten(-1, (-1, 16))
-            values = torch.cat([(blocks & 15), (blocks >> 4)], -1).float() - 8
-        return (values * scales[..., None]).flatten(-2).to(self.compute)
+        return (decode_q8_0 if self.cache == "int8" else decode_q4_0)(codes, pick(self.scales)).to(self.compute)
 
 
 class KVPool:
@@ -103,7 +93,7 @@ class KVPool:
                              "and no latent (MLA) cache yet")
         if cache not in BITS:
             raise InputError(f"kv_cache_dtype {cache}: one of auto, {', '.join(BITS)}")
-        self.num_blocks, self.block_size, self.cache = num_blocks, block_size, cache
+        self.num_blocks, self.block_size, self.cache, self.device = num_blocks, block_size, cache, device
         shape = (arch.layers, num_blocks, arch.kv_heads[0], block_size)
         self.keys = _Store(cache, shape, arch.head_dim, compute, device)
         self.values = _Store(cache, shape, arch.value_dim, compute, device)
@@ -126,6 +116,11 @@ class KVPool:
         """Keys and values of whole blocks ``ids``: [len(ids), kv_heads, block_size, dim]."""
         return self.keys.get(layer, ids), self.values.get(layer, ids)
 
+    def stored(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys and values as stored, [num_blocks, kv_heads, block_size, dim] (for a float
+        or fp8 cache, the values themselves), for a kernel that reads blocks where they lie."""
+        return self.keys.codes[layer], self.values.codes[layer]
+
     def slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at ``slots`` (any shape): [*slots.shape, kv_heads, dim]."""
         block, offset = slots // self.block_size, slots % self.block_size
@@ -136,10 +131,7 @@ class KVPool:
         q8_0-quantized, as llama.cpp's dot products take them)."""
         if self.cache not in GGML_TYPES:
             return q
-        q = self._key_space(q).float()
-        shape = q.shape
-        q = encode(q.reshape(-1, shape[-1]).cpu(), "Q8_0", "KV cache queries").dequantize().reshape(shape)
-        return q.to(device=self.keys.codes.device, dtype=self.keys.compute)
+        return decode_q8_0(*encode_q8_0(self._key_space(q))).to(self.keys.compute)
 
     def outputs(self, out: torch.Tensor) -> torch.Tensor:
         """Attention outputs back from the rotated space of stored values."""

@@ -31,11 +31,12 @@ class LLM:
     def __init__(self, model: str | Path, dtype: str = "auto", kv_cache_dtype: str = "auto", block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, kv_memory: float | int | None = None,
                  max_model_len: int | None = None, seed: int = 0, enable_prefix_caching: bool = True,
-                 speculative: str | SpeculativeConfig | None = None):
+                 speculative: str | SpeculativeConfig | None = None, enforce_eager: bool = False):
         if isinstance(speculative, str):
             speculative = SpeculativeConfig.parse(speculative)
         self.engine = Engine(model, EngineConfig(dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens,
-                                                 kv_memory, max_model_len, seed, enable_prefix_caching, speculative))
+                                                 kv_memory, max_model_len, seed, enable_prefix_caching, speculative,
+                                                 enforce_eager))
         self.tokenizer = load_tokenizer(self.engine.ckpt)
         self.detokenizer = Detokenizer(self.tokenizer)
 

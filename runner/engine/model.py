@@ -11,7 +11,8 @@ reads keys and values through the sequences' block tables:
   all of its sequence's queries at once, and a softmax across each sequence's blocks (a segment
   max and sum by scatter) combines them, so sequences of different lengths run together without
   padding to the longest (only a last block is partly empty), and a verify step's rows go through
-  the kernels of a decode step's;
+  the kernels of a decode step's; on CUDA with a float or fp8 cache, one fused Triton kernel
+  (kernels/paged_attention.py) reads the blocks where they lie through the block table instead;
 - prefill chunks (a prompt's tokens) attend to the sequence's cached keys and to each other in one
   masked attention over the chunks of the step, causal within each sequence.
 
@@ -22,6 +23,7 @@ rest in the weights' dtype, as transformers does.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +34,7 @@ from core.errors import InputError
 from core.rope import llama3_bands
 from formats.hf import HFCheckpoint
 from formats.quantized_checkpoint import QuantizedCheckpoint
+from runner.engine.kernels import fused_decode
 from runner.engine.kv_cache import KVPool
 from runner.engine.linear import Linear, fused, make_linear
 
@@ -48,10 +51,11 @@ class DecodeBatch:
 
     rows: torch.Tensor  # [sequences, m]
     valid: torch.Tensor | None  # [sequences, m]
-    ids: torch.Tensor
-    owner: torch.Tensor
-    first: torch.Tensor
+    ids: torch.Tensor | None  # the blocks (None where the fused kernel reads the table instead)
+    owner: torch.Tensor | None
+    first: torch.Tensor | None
     length: torch.Tensor  # [sequences, m]: the keys each row sees, its own included
+    table: torch.Tensor  # [sequences, blocks]: each sequence's block table (padded), for the fused kernel
     _per_window: dict = field(default_factory=dict, repr=False)
 
     def scores_bias(self, window: int | None, block_size: int, kv: int, groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -191,18 +195,19 @@ class DecoderModel:
         rotary = {rope: self._rotary(step.positions, inv) for rope, inv in self.inv_freq.items()}
         d = step.decode
         in_order = step.prefill is None and d.valid is None  # then the decode rows are the step's rows, in order
+        kernel = _fused_kernel(pool)
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, self._norm(x, layer["attn_norm"]), rotary[a.rope_of(index)])
             pool.write(index, step.slots, k, v)
             q = pool.queries(q)
             window = a.windows[index]
             if in_order:
-                out = self._decode_attention(q, pool, index, d, window)
+                out = self._decode_attention(q, pool, index, d, window, kernel)
             else:
                 out = torch.empty(q.shape[0], a.heads, a.value_dim, dtype=torch.float32, device=x.device)
                 if d is not None:
                     rows = d.rows.flatten()
-                    attended = self._decode_attention(torch.index_select(q, 0, rows), pool, index, d, window)
+                    attended = self._decode_attention(torch.index_select(q, 0, rows), pool, index, d, window, kernel)
                     if d.valid is None:
                         out[rows] = attended
                     else:
@@ -247,11 +252,18 @@ class DecoderModel:
             q, k = self._norm(q, layer["q_norm"]), self._norm(k, layer["k_norm"])
         return _rotate(q, *rotary), _rotate(k, *rotary), v.view(-1, kv, a.value_dim)
 
-    def _decode_attention(self, q: torch.Tensor, pool: KVPool, layer: int, d: DecodeBatch, window: int | None) -> torch.Tensor:
-        """The decode rows' outputs, [sequences * m, heads, value_dim], from their queries in ``rows`` order."""
+    def _decode_attention(self, q: torch.Tensor, pool: KVPool, layer: int, d: DecodeBatch, window: int | None,
+                          kernel: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """The decode rows' outputs, [sequences * m, heads, value_dim], from their queries in ``rows``
+        order: by the fused ``kernel`` where there is one, else by torch over the gathered blocks."""
         a, bs = self.arch, pool.block_size
         kv, groups = a.kv_heads[0], a.heads // a.kv_heads[0]
         n, m = d.length.shape
+        if kernel is not None:
+            keys, values = pool.stored(layer)
+            out = kernel(q.view(n, m, a.heads, a.head_dim), keys, values, d.table, d.length, self.scale, window,
+                         a.attn_softcap or None)
+            return out.view(n * m, a.heads, a.value_dim)
         width = m * groups  # the queries each block is scored against, per key-value head
         keys, values = pool.blocks(layer, d.ids)  # [blocks, kv, bs, dim], as the pool lays them out
         if q.device.type == "cpu":  # a CPU's small batched products run several times as fast in fp32 as in bf16
@@ -297,6 +309,15 @@ class DecoderModel:
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None], scale=self.scale,
                                                  enable_gqa=True)  # [chunks, heads, tokens, dim]
         return out.transpose(1, 2)[p.valid]
+
+
+def _fused_kernel(pool: KVPool) -> Callable[..., torch.Tensor] | None:
+    """The fused paged decode-attention kernel where it runs (CUDA, a float cache, Triton), else None."""
+    if not fused_decode(pool.device, pool.cache):
+        return None
+    from runner.engine.kernels.paged_attention import paged_decode_attention
+
+    return paged_decode_attention
 
 
 def _outputs(layers: list[Linear], x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

@@ -1,0 +1,19 @@
+"""The engine's fused GPU kernels, in Triton (which ships with torch's CUDA builds). They run on
+CUDA only; a CPU, or a machine without Triton, keeps the torch paths of ``model.py``. Their tests
+run them on the CPU too, in Triton's interpreter (``TRITON_INTERPRET=1``)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+# The caches the paged decode kernel reads as stored: float values (fp8 widened in registers).
+# q8_0/q4_0 caches are decoded by torch (kv_cache.py).
+FUSED_CACHES = ("fp32", "fp16", "bf16", "fp8")
+TRITON = importlib.util.find_spec("triton") is not None
+
+
+def fused_decode(device: torch.device, cache: str) -> bool:
+    """Whether decode attention over a ``cache`` pool on ``device`` runs the fused Triton kernel."""
+    return TRITON and device.type == "cuda" and cache in FUSED_CACHES
