@@ -7,7 +7,7 @@ A quantized variant runs on its own codes, so its speed is its own and not a deq
   times the sum of the inputs. torch's CUDA build of that op is a reference loop (one thread per
   output, walking its weight row byte by byte in float32, no tensor cores): on an H200 it gave
   the dense export's tokens, but bench/linear_kernels.py over Llama-3-8B's projections did not
-  finish in 50 s, twice, with it among the layers timed. On CUDA int8 runs dequantized, and says so;
+  finish in 50 s, twice, with it among the layers timed. On CUDA int8 runs on Triton instead;
 - int4 by groups of 32 to 256 inputs: ``torch._weight_int4pack_mm_for_cpu`` on a CPU, and on CUDA
   (compute capability 8.0 on, bf16 activations) ``torch._weight_int4pack_mm``, tinygemm's kernel,
   on codes packed two to a byte, even columns in the high nibble. Both dequantize
@@ -15,9 +15,10 @@ A quantized variant runs on its own codes, so its speed is its own and not a deq
   ``(8 - zero) · scale``; act-order groups (GPTQ's ``g_idx``) first put the input columns in
   group order, and each input is gathered the same way.
 
-Everything else (other widths, float codes, int8 on CUDA, int4 in fp32 or fp16 on CUDA, a device
-without the kernels) runs dequantized, and says so in ``kind``. Scales take the activations'
-dtype, as the kernels require.
+On CUDA, quantized weights go first to runner/engine/cuda_linear.py (a Triton kernel for int4
+and int8, ``torch._scaled_mm`` for fp8); what it does not take comes back here. Everything else
+(other widths, float codes, a device without the kernels) runs dequantized, and says so in
+``kind``. Scales take the activations' dtype, as the kernels require.
 """
 
 from __future__ import annotations
@@ -142,9 +143,15 @@ def fused(weights: list[TensorPayload], biases: list[torch.Tensor | None]) -> tu
     return weight, torch.cat([b if b is not None else torch.zeros(n) for b, n in zip(biases, rows)])
 
 
-def make_linear(weight: TensorPayload, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> Linear:
-    """The fastest layer this machine has for ``weight`` (a float tensor or a quantized one)."""
+def make_linear(weight: TensorPayload, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
+                cuda_kernels: bool = True) -> Linear:
+    """The fastest layer this machine has for ``weight`` (a float tensor or a quantized one);
+    ``cuda_kernels`` False: without runner/engine/cuda_linear.py's (its fallback)."""
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
+    if cuda_kernels and device.type == "cuda" and isinstance(weight, QuantizedTensor):
+        from runner.engine.cuda_linear import cuda_linear
+
+        return cuda_linear(weight, bias, dtype, device, lambda: make_linear(weight, bias, dtype, device, cuda_kernels=False))
     if isinstance(weight, QuantizedTensor) and device.type in ("cpu", "cuda") and weight.spec.format == "int":
         spec, (n_out, n_in) = weight.spec, weight.shape
         groups = weight.scales.shape[1]
