@@ -68,6 +68,8 @@ def refusal(weight: QuantizedTensor, dtype: torch.dtype, device: torch.device) -
         return None
     if lowbit_gemm is None:
         return "Triton is not installed"
+    if dtype == torch.bfloat16 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return "bf16 activations on a GPU before Ampere (no bf16 tensor cores)"
     return lowbit_gemm.refusal(weight, dtype)
 
 

@@ -161,7 +161,7 @@ def matmul(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, p
         x, _or(w.order, x), w.codes, w.scales, _or(w.zeros, w.scales), _or(bias, out), target,
         rows, w.n_out, w.n_in, x.stride(0), per_split,
         **_weight_constants(w, plan.block_k), HAS_ORDER=w.order is not None, HAS_BIAS=bias is not None and plan.split_k == 1,
-        SPLIT_K=plan.split_k, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, EVEN_N=w.n_out % plan.block_n == 0,
+        PARTIAL=plan.split_k > 1, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, EVEN_N=w.n_out % plan.block_n == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=plan.warps, num_stages=plan.stages)
     if plan.split_k > 1:
         block = 1024
@@ -245,10 +245,11 @@ def _gemm_kernel(x_ptr, order_ptr, codes_ptr, scales_ptr, zeros_ptr, bias_ptr, o
                  M, N, K, stride_xm, tiles_per_split,
                  BITS: tl.constexpr, GROUP: tl.constexpr, SCALES_PER_TILE: tl.constexpr, HAS_ZEROS: tl.constexpr,
                  MID: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 HAS_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                 HAS_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr):
     """One ``[BLOCK_M, BLOCK_N]`` tile of the product over one split's run of input tiles: the
-    finished tile (SPLIT_K 1, bias added) or its fp32 partial sum at ``out[split]``."""
+    finished tile (bias added), or where the inputs are split (PARTIAL) its fp32 partial sum at
+    ``out[split]``; the split count is the grid's, not compiled in."""
     tile, split = tl.program_id(0), tl.program_id(1)
     tiles_n = tl.cdiv(N, BLOCK_N)
     offs_m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -270,7 +271,7 @@ def _gemm_kernel(x_ptr, order_ptr, codes_ptr, scales_ptr, zeros_ptr, bias_ptr, o
         acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
     at = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     inside = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    if SPLIT_K == 1:
+    if not PARTIAL:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
         tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=inside)
