@@ -119,8 +119,8 @@ def test_split_k_gives_the_unsplit_product_and_the_same_bits_every_time():
 
 @needs_triton
 def test_decode_spreads_the_inputs_over_programs_when_outputs_are_few():
-    nothing = torch.empty(0)
-    w = lowbit_gemm.PackedWeight(nothing, nothing, None, None, bits=4, group=128, n_out=4096, n_in=4096)  # what a schedule reads
+    scales = torch.empty(0, dtype=torch.bfloat16)
+    w = lowbit_gemm.PackedWeight(scales, scales, None, None, bits=4, group=128, n_out=4096, n_in=4096)  # what a schedule reads
     decode, prefill = lowbit_gemm.schedule(1, w, 132), lowbit_gemm.schedule(1024, w, 132)
     assert decode.split_k > 1 and decode.block_m == 16
     assert prefill.split_k == 1 and prefill.block_m > 16  # tiles enough for every multiprocessor

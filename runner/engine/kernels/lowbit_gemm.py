@@ -115,13 +115,20 @@ class Schedule(NamedTuple):
     stages: int
 
 
-# (most rows, block_m, block_n, block_k, warps, stages): guesses from published Triton w4a16
-# kernels, to be tuned on a GPU with bench/lowbit_gemm.py --sweep; the last row takes any count.
+# (most rows, block_m, block_n, block_k, warps, stages), the last row for any count. Chosen without
+# a GPU, by compiling for sm_90 (Triton 3.9, ptxas): the largest tiles whose every variant (int4
+# and int8, zero-points or not, act-order) keeps within 255 registers without spilling; below 64
+# rows mma.sync, from 64 on wgmma. To be tuned on a GPU with bench/lowbit_gemm.py --sweep.
 SCHEDULES = [
-    (16, 16, 64, 256, 4, 4),
+    (16, 16, 64, 256, 8, 4),
     (32, 32, 64, 128, 4, 4),
     (64, 64, 64, 128, 4, 4),
-    (None, 64, 128, 64, 4, 4),
+    (None, 64, 128, 64, 8, 3),
+]
+FP32_SCHEDULES = [  # fp32's exact products (ieee) multiply on plain FMAs: small tiles, else they spill
+    (16, 16, 64, 64, 8, 3),
+    (32, 32, 64, 32, 4, 3),
+    (None, 64, 64, 32, 8, 3),
 ]
 PROGRAMS_PER_PROCESSOR = 2  # what split-K fills the grid up to, where the tiles leave multiprocessors idle
 
@@ -130,7 +137,8 @@ def schedule(rows: int, w: PackedWeight, processors: int) -> Schedule:
     """The table's tiles for ``rows`` rows, the input tile fitted to the groups; where there
     are fewer tiles than multiprocessors, the inputs split until every one has
     ``PROGRAMS_PER_PROCESSOR`` programs."""
-    block_m, block_n, block_k, warps, stages = next(s[1:] for s in SCHEDULES if s[0] is None or rows <= s[0])
+    table = FP32_SCHEDULES if w.scales.dtype == torch.float32 else SCHEDULES
+    block_m, block_n, block_k, warps, stages = next(s[1:] for s in table if s[0] is None or rows <= s[0])
     block_k = fit_block_k(block_k, w)
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(w.n_out, block_n)
     k_tiles = triton.cdiv(w.n_in, block_k)
@@ -198,13 +206,17 @@ def _processors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+# The kernels call Triton's builtins only, not its jit functions (tl.cdiv, tl.zeros): an interpreter
+# turned on after Triton was first imported cannot call those.
+
+
 @triton.jit
 def _weight_tile(codes_ptr, scales_ptr, zeros_ptr, k0, cols, N, K,
                  BITS: tl.constexpr, GROUP: tl.constexpr, SCALES_PER_TILE: tl.constexpr, HAS_ZEROS: tl.constexpr,
                  MID: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
-    """W.T's float32 ``[BLOCK_K, BLOCK_N]`` tile at inputs ``k0 ..``, outputs ``cols``: codes read
-    once, unpacked and scaled in registers. Inputs past K come out as zero-point·scale (finite);
-    the activations there are zero."""
+    """W.T's ``[BLOCK_K, BLOCK_N]`` tile at inputs ``k0 ..``, outputs ``cols``, in the scales'
+    dtype: codes read once, unpacked and scaled in registers. Inputs past K come out as
+    zero-point·scale (finite); the activations there are zero."""
     if BITS == 4:
         pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         pointers = codes_ptr + pairs[:, None] * N + cols[None, :]
@@ -220,24 +232,26 @@ def _weight_tile(codes_ptr, scales_ptr, zeros_ptr, k0, cols, N, K,
             q = tl.load(pointers)
         else:
             q = tl.load(pointers, mask=(ks < K)[:, None], other=0)
-    q = q.to(tl.float32)
-    if SCALES_PER_TILE:  # the tile lies within one group
+    q = q.to(scales_ptr.dtype.element_ty)  # (code - zero) is exact there: one rounding, as fp32 then a cast would give
+    if SCALES_PER_TILE:  # the tile lies within one group (compiled code has one return, after both branches)
         at = (k0 // GROUP) * N + cols
-        scale = tl.load(scales_ptr + at).to(tl.float32)[None, :]
+        scale = tl.load(scales_ptr + at)[None, :]
         if HAS_ZEROS:
-            return (q - tl.load(zeros_ptr + at).to(tl.float32)[None, :]) * scale
-        return (q - MID) * scale
-    groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)  # the tile holds whole groups
-    at = groups[:, None] * N + cols[None, :]
-    inside = (groups < tl.cdiv(K, GROUP))[:, None]
-    scale = tl.load(scales_ptr + at, mask=inside, other=0.0).to(tl.float32)[:, None, :]
-    by_group = tl.reshape(q, (BLOCK_K // GROUP, GROUP, BLOCK_N))
-    if HAS_ZEROS:
-        zero = tl.load(zeros_ptr + at, mask=inside, other=0.0).to(tl.float32)[:, None, :]
-        by_group = (by_group - zero) * scale
-    else:
-        by_group = (by_group - MID) * scale
-    return tl.reshape(by_group, (BLOCK_K, BLOCK_N))
+            w = (q - tl.load(zeros_ptr + at)[None, :]) * scale
+        else:
+            w = (q - MID) * scale
+    else:  # the tile holds whole groups
+        groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        at = groups[:, None] * N + cols[None, :]
+        inside = (groups * GROUP < K)[:, None]
+        scale = tl.load(scales_ptr + at, mask=inside, other=0.0)[:, None, :]
+        by_group = tl.reshape(q, (BLOCK_K // GROUP, GROUP, BLOCK_N))
+        if HAS_ZEROS:
+            by_group = (by_group - tl.load(zeros_ptr + at, mask=inside, other=0.0)[:, None, :]) * scale
+        else:
+            by_group = (by_group - MID) * scale
+        w = tl.reshape(by_group, (BLOCK_K, BLOCK_N))
+    return w
 
 
 @triton.jit
@@ -251,14 +265,14 @@ def _gemm_kernel(x_ptr, order_ptr, codes_ptr, scales_ptr, zeros_ptr, bias_ptr, o
     finished tile (bias added), or where the inputs are split (PARTIAL) its fp32 partial sum at
     ``out[split]``; the split count is the grid's, not compiled in."""
     tile, split = tl.program_id(0), tl.program_id(1)
-    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_n = (N + BLOCK_N - 1) // BLOCK_N
     offs_m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     x_rows = tl.minimum(offs_m, M - 1).to(tl.int64) * stride_xm  # rows past M repeat the last; not stored
     cols = offs_n if EVEN_N else tl.minimum(offs_n, N - 1)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     first = split * tiles_per_split
-    for t in range(first, tl.minimum(first + tiles_per_split, tl.cdiv(K, BLOCK_K))):
+    for t in range(first, tl.minimum(first + tiles_per_split, (K + BLOCK_K - 1) // BLOCK_K)):
         ks = t * BLOCK_K + tl.arange(0, BLOCK_K)
         if HAS_ORDER:
             ks_in = tl.load(order_ptr + ks) if EVEN_K else tl.load(order_ptr + ks, mask=ks < K, other=0)
@@ -268,7 +282,7 @@ def _gemm_kernel(x_ptr, order_ptr, codes_ptr, scales_ptr, zeros_ptr, bias_ptr, o
         a = tl.load(pointers) if EVEN_K else tl.load(pointers, mask=(ks < K)[None, :], other=0.0)
         w = _weight_tile(codes_ptr, scales_ptr, zeros_ptr, t * BLOCK_K, cols, N, K,
                          BITS, GROUP, SCALES_PER_TILE, HAS_ZEROS, MID, BLOCK_K, BLOCK_N, EVEN_K)
-        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
     at = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     inside = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if not PARTIAL:
