@@ -18,8 +18,9 @@ the summary then gives per row count the four projections' time summed (a layer'
 bf16's, and the smallest row count at which the dequantized copy beats the kernel (where
 ``DENSE_ABOVE_ROWS`` goes).
 
-``--sweep`` times, per shape and row count, a grid of schedules of the int4 kernel, best first:
-what to put in ``lowbit_gemm.SCHEDULES``.
+``--sweep`` times, per shape and row count, a grid of schedules of the int4 kernel (tiles for the
+row count, splits around the default's, 4 or 8 warps, 3 or 4 stages; a few minutes, most of it
+compiling), the five best and where the default stands: what to put in ``lowbit_gemm.SCHEDULES``.
 
     python bench/lowbit_gemm.py [--rows 1 16 64 256] [--out rows.jsonl] [--sweep]
 """
@@ -86,17 +87,24 @@ def sweep(torch, kernel, x, emit) -> None:
 
     w, rows = kernel.packed, x.shape[0]
     default = lowbit_gemm.schedule(rows, w, torch.cuda.get_device_properties(0).multi_processor_count)
-    block_ms = [16] if rows <= 16 else [32, 64] if rows <= 64 else [64, 128]
+    if rows <= 16:
+        tiles = itertools.product([16], (32, 64, 128), (128, 256))
+    elif rows <= 64:
+        tiles = itertools.product([32, 64], (64, 128), (64, 128))
+    else:
+        tiles = itertools.product([64, 128], (128, 256), (32, 64))
+    splits = sorted({1, max(1, default.split_k // 2), default.split_k, 2 * default.split_k})
     timed = []
-    for block_m, block_n, block_k, split, stages in itertools.product(block_ms, (32, 64, 128), (64, 128, 256),
-                                                                       sorted({1, 2, 4, 8, default.split_k}), (3, 4)):
-        plan = lowbit_gemm.Schedule(block_m, block_n, lowbit_gemm.fit_block_k(block_k, w), split, 4, stages)
+    for (block_m, block_n, block_k), split, warps, stages in itertools.product(tiles, splits, (4, 8), (3, 4)):
+        plan = lowbit_gemm.Schedule(block_m, block_n, lowbit_gemm.fit_block_k(block_k, w), split, warps, stages)
         try:
             timed.append((do_bench(lambda: lowbit_gemm.matmul(x, w, plan=plan), rep=40, return_mode="median"), plan))
         except Exception as e:  # a schedule out of shared memory or registers: noted, the rest go on
             emit({"sweep": str(plan), "error": f"{type(e).__name__}: {str(e)[:120]}"})
-    for ms, plan in sorted(timed)[:5]:
-        emit({"sweep": str(plan), "us": round(ms * 1e3, 1), "default": plan == default})
+    ranked = sorted(timed)
+    for rank, (ms, plan) in enumerate(ranked):
+        if rank < 5 or plan == default:
+            emit({"sweep": str(plan), "rank": rank + 1, "of": len(ranked), "us": round(ms * 1e3, 1), "default": plan == default})
 
 
 def main() -> None:

@@ -210,6 +210,7 @@ def _former_path(q: QuantizedTensor, dtype: torch.dtype):
     return cuda_linear.cuda_linear(q, None, dtype, DEVICE, lambda: make_linear(q, None, dtype, DEVICE, cuda_kernels=False))
 
 
+@needs_triton  # without it every weight is refused for that
 @pytest.mark.parametrize("name", REFUSED)
 def test_a_weight_the_kernels_refuse_takes_its_former_path_and_says_why(name):
     q, dtype, why = _refused_weights()[name]
@@ -219,6 +220,7 @@ def test_a_weight_the_kernels_refuse_takes_its_former_path_and_says_why(name):
     assert not isinstance(layer, (LowBitLinear, Fp8Linear))
 
 
+@needs_triton
 @pytest.mark.parametrize("name", [n if n != "act-order-unequal" else pytest.param(n, marks=pytest.mark.xfail(
     strict=True, reason="Int4Linear (linear.py, CPU and tinygemm) takes act-order groups to be of equal sizes")) for n in REFUSED])
 def test_the_former_path_computes_the_dequantized_product(name):
