@@ -12,7 +12,10 @@
 Each row: microseconds (the median of ``triton.testing.do_bench``, which empties the L2 cache
 before each call, so a weight is read from memory as in a model too large for the cache), the
 weight bytes the layer holds (codes, scales, zero-points) over that time in GB/s, and that as a
-share of the copy bandwidth measured at the start of the same run (``floor``). Rows print as
+share of the copy bandwidth measured at the start of the same run (``floor``), and ``loop_us``,
+the wall time per call of 100 calls back to back: where it is well above ``us``, the layer is
+bound by its launch on the CPU (Triton's launcher costs more than cuBLAS's), which CUDA graphs
+remove and eager decoding pays at every layer. Rows print as
 they are measured, and go to ``--out`` as JSON lines, so a run cut short keeps what it measured;
 the summary then gives per row count the four projections' time summed (a layer's), against
 bf16's, and the smallest row count at which the dequantized copy beats the kernel (where
@@ -31,6 +34,7 @@ import argparse
 import itertools
 import json
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,6 +54,18 @@ def copy_bandwidth(torch, gib: int = 2) -> float:
     dst = torch.empty_like(src)
     seconds = do_bench(lambda: dst.copy_(src), return_mode="median") / 1e3
     return 2 * src.numel() / seconds
+
+
+def back_to_back(torch, layer, x, calls: int = 100) -> float:
+    """Seconds per call of ``calls`` calls in a row, synchronized once: the CPU's launch cost
+    where it exceeds the GPU's time (the weights may stay in L2 here)."""
+    layer(x)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        layer(x)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls
 
 
 def layers(torch, weight, fp8: bool) -> dict:
@@ -145,7 +161,7 @@ def main() -> None:
                     totals[rows, name] = totals.get((rows, name), 0.0) + seconds
                     emit({"shape": shape, "rows": rows, "layer": name, "us": round(seconds * 1e6, 1),
                           "gb_per_s": round(held / seconds / 1e9), "of_floor": round(held / seconds / floor, 2),
-                          "floor_us": round(held / floor * 1e6, 1)})
+                          "floor_us": round(held / floor * 1e6, 1), "loop_us": round(back_to_back(torch, layer, x) * 1e6, 1)})
                 if args.sweep:
                     sweep(torch, timed["triton int4-g128"][0], x, lambda row: emit({"shape": shape, "rows": rows, **row}))
             del timed
