@@ -8,7 +8,8 @@ make decoding faster than bf16 (it reads every weight once a step, so bytes are 
 - fp8 e4m3 by tensor or by output channel (compressed-tensors' FP8 and FP8_DYNAMIC folders) with
   bf16 activations, on GPUs with fp8 tensor cores (compute capability 8.9 on): ``Fp8Linear``,
   ``torch._scaled_mm`` with each row of the activations scaled into fp8 on the fly (dynamic,
-  per token), as vLLM runs them;
+  per token), as vLLM runs FP8_DYNAMIC; a weight-only fp8 folder gets that rounding of its
+  activations too, which it did not ask for (a layer is not told the checkpoint's activations);
 - anything else, or without Triton: what ``make_linear`` builds otherwise (tinygemm for int4 in
   bf16, else a dequantized copy), its ``kind`` saying why these kernels did not take it.
 """

@@ -10,8 +10,8 @@ activations' dtype and feeds it to the tensor cores (``tl.dot``), accumulating i
 
 The weight is packed once, at load (``pack``), in the layout the kernel reads fastest:
 
-- codes transposed to ``[K, N]`` (outputs contiguous, so a warp reads whole 128-byte lines of one
-  input row), int4 two to a byte along the inputs (``[K/2, N]``, the even input in the low
+- codes transposed to ``[K, N]`` (outputs contiguous, so each row of a tile is one run of bytes,
+  read 16 to a thread), int4 two to a byte along the inputs (``[K/2, N]``, the even input in the low
   nibble), int8 one to a byte;
 - scales (and zero-points, only where they differ from the mid-level) as ``[groups, N]`` in the
   activations' dtype, as tinygemm and Marlin keep them;
@@ -80,7 +80,7 @@ def refusal(q: QuantizedTensor, dtype: torch.dtype) -> str | None:
         return f"{n_in} inputs, an odd number (int4 codes go two to a byte)"
     if q.group_index is not None:
         in_order = torch.sort(q.group_index.long()).values
-        if not torch.equal(in_order, torch.arange(n_in) // group):
+        if not torch.equal(in_order, torch.arange(n_in, device=in_order.device) // group):
             return "act-order groups of unequal sizes"
     if q.codes.numel() >= MAX_CODES:
         return f"{n_out} x {n_in} codes (offsets are 32-bit)"
@@ -88,18 +88,19 @@ def refusal(q: QuantizedTensor, dtype: torch.dtype) -> str | None:
 
 
 def pack(q: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> PackedWeight:
-    """``q`` in the kernel's layout on ``device``, its scales in ``dtype`` (``refusal`` is None)."""
-    codes, n_in = q.codes, q.shape[1]
+    """``q`` in the kernel's layout on ``device`` (repacked there: a GPU does it faster), its scales
+    in ``dtype`` (``refusal`` is None)."""
+    codes, n_in = q.codes.to(device), q.shape[1]
     order = None
     if q.group_index is not None:  # act-order: columns sorted by group, the inputs read the same way
-        perm = torch.argsort(q.group_index.long(), stable=True)
-        codes, order = codes[:, perm], perm.to(device=device, dtype=torch.int32)
+        perm = torch.argsort(q.group_index.to(device).long(), stable=True)
+        codes, order = codes[:, perm], perm.to(torch.int32)
     columns = codes.T.contiguous()  # [K, N]
     if q.spec.bits == 4:
         columns = columns[0::2] | (columns[1::2] << 4)
     mid = 2 ** (q.spec.bits - 1)
     zeros = None if bool((q.zeros == mid).all()) else q.zeros.T.to(device=device, dtype=dtype).contiguous()
-    return PackedWeight(columns.to(device), q.scales.T.to(device=device, dtype=dtype).contiguous(), zeros, order,
+    return PackedWeight(columns, q.scales.T.to(device=device, dtype=dtype).contiguous(), zeros, order,
                         q.spec.bits, n_in // q.scales.shape[1], q.shape[0], n_in)
 
 
