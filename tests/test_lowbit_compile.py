@@ -3,7 +3,8 @@ here, as ``matmul`` launches it by every row of its schedule tables: it builds f
 and Ampere (sm_80), and on Hopper no variant spills registers or asks for more shared memory
 than the chip has. Triton's interpreter (tests/test_lowbit_kernels.py) checks what the kernel
 computes but not that a GPU build accepts it: a return inside a compile-time branch ran there and
-failed to build here. Runs in its own process (helpers/triton_aot.py says why), about 10 s."""
+failed to build here. Runs in its own process (helpers/triton_aot.py says why), about 25 s. The
+same holds under Triton 3.6, the GPU machines' version (checked by hand with it on the path)."""
 
 from __future__ import annotations
 
