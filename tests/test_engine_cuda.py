@@ -1,8 +1,8 @@
-"""The engine on a CUDA device, where one is present: int4 variants run on tinygemm's CUDA kernel
-(not a dequantized copy) and compute what their dequantized weights compute; int8 runs
-dequantized there and says so; a seeded sampled request draws the same tokens on the GPU as on
-the CPU; decode steps replay CUDA graphs and give the tokens of eager steps; float caches are read
-by the fused paged-attention kernel. The rest of the engine's tests (test_engine.py, test_engine_quantized.py,
+"""The engine on a CUDA device, where one is present: int4 and int8 variants run on the Triton
+kernel of runner/engine/cuda_linear.py (not a dequantized copy) and compute what their dequantized
+weights compute; a seeded sampled request draws the same tokens on the GPU as on the CPU; decode
+steps replay CUDA graphs and give the tokens of eager steps; float caches are read by the fused
+paged-attention kernel. The rest of the engine's tests (test_engine.py, test_engine_quantized.py,
 test_speculative.py, test_server.py, test_paged_attention.py) run on CUDA unchanged on such a
 machine: the engine picks the device itself, and there captures graphs and runs the kernel."""
 
@@ -30,15 +30,15 @@ def _llm(path, dtype="bf16"):
     return LLM(path, dtype=dtype, kv_memory=16 * 2**20)
 
 
-@pytest.mark.parametrize("name", INT4)
-def test_int4_variants_run_on_the_cuda_kernel_that_computes_the_dequantized_product(variants, name):  # noqa: F811
+@pytest.mark.parametrize("name", INT4 + INT8)
+def test_low_bit_variants_run_on_the_triton_kernel_that_computes_the_dequantized_product(variants, name):  # noqa: F811
     from formats.quantized_checkpoint import QuantizedCheckpoint
 
     export = VARIANTS[name][1][-1]
     llm = _llm(variants / name / export)
     assert llm.engine.device.type == "cuda"
-    assert {linear.kind for linear in _linears(llm)} == {"int4"}
-    assert all(linear.packed.is_cuda for linear in _linears(llm))
+    assert {linear.kind.split(" (")[0] for linear in _linears(llm)} == {f"{VARIANTS[name][2]} triton"}
+    assert all(linear.packed.codes.is_cuda for linear in _linears(llm))
     # layer 0's down projection against the product of its dequantized weights, both in bf16
     dense = QuantizedCheckpoint.open(variants / name / export).payload("model.layers.0.mlp.down_proj.weight")
     dense = dense.dequantize().to("cuda", torch.bfloat16)
@@ -47,14 +47,8 @@ def test_int4_variants_run_on_the_cuda_kernel_that_computes_the_dequantized_prod
     assert (ours - expected).norm() / expected.norm() < 2e-2
 
 
-@pytest.mark.parametrize("name", INT8)
-def test_int8_variants_run_dequantized_on_cuda_and_say_so(variants, name):  # noqa: F811
-    llm = _llm(variants / name / VARIANTS[name][1][-1])
-    assert all(linear.kind.startswith("dequantized int8") for linear in _linears(llm))
-
-
-@pytest.mark.parametrize("name", INT4)
-def test_the_int4_kernel_strays_from_fp32_no_further_than_bf16_itself(variants, name):  # noqa: F811
+@pytest.mark.parametrize("name", INT4 + INT8)
+def test_the_low_bit_kernel_strays_from_fp32_no_further_than_bf16_itself(variants, name):  # noqa: F811
     """bf16 rounds the kernel's products differently from a dense product's, so greedy tokens may
     part at a near tie; before they part the distributions must agree. Measured at each prompt's
     first next token (prefill through the kernel): the log-probabilities of fp32's 20 likeliest

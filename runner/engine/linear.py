@@ -7,14 +7,14 @@ A quantized variant runs on its own codes, so its speed is its own and not a deq
   sum of the inputs). torch's weight-only ``_weight_int8pack_mm`` widens every weight to float32
   and is bound by that compute (about 30 GB/s of weights on 2 AVX-512 cores, where bf16 reads 47);
   fbgemm's u8 x s8 kernels (VNNI) read at the memory's rate, but quantize their input to 8 bits.
-  So each input row is written as an integer of 14 bits (21 in fp32) times a scale, and that
-  integer as 2 (3) digits of 7 bits, each digit row an exact u8 input to fbgemm: one call
+  So each input row is written as an integer of 14 bits (28 in fp32) times a scale, and that
+  integer as 2 (4) digits of 7 bits, each digit row an exact u8 input to fbgemm: one call
   multiplies every digit row by the weight, and the digits' products, weighted by 128^j, are the
   row's product, more precise than a bf16 input (measured: 1.5x to 2x the speed of int8pack at 1
   to 64 rows, with a quarter of its error in bf16). torch's CUDA int8pack is a reference loop (one
   thread per output, walking its weight row byte by byte in float32, no tensor cores): on an H200
   bench/linear_kernels.py over Llama-3-8B's projections did not finish in 50 s with it. On CUDA
-  int8 runs dequantized, and says so;
+  int8 runs on Triton instead (cuda_linear.py);
 - int4 by groups of 32 to 256 inputs: ``torch._weight_int4pack_mm_for_cpu`` on a CPU, and on CUDA
   (compute capability 8.0 on, bf16 activations) ``torch._weight_int4pack_mm``, tinygemm's kernel,
   on codes packed two to a byte, even columns in the high nibble. Both dequantize
@@ -22,9 +22,10 @@ A quantized variant runs on its own codes, so its speed is its own and not a deq
   ``(8 - zero) · scale``; act-order groups (GPTQ's ``g_idx``) first put the input columns in
   group order, and each input is gathered the same way.
 
-Everything else (other widths, float codes, int8 on CUDA, int4 in fp32 or fp16 on CUDA, a device
-without the kernels) runs dequantized, and says so in ``kind``. Scales take the activations'
-dtype, as the kernels require.
+On CUDA, quantized weights go first to runner/engine/cuda_linear.py (a Triton kernel for int4
+and int8, ``torch._scaled_mm`` for fp8); what it does not take comes back here. Everything else
+(other widths, float codes, a device without the kernels) runs dequantized, and says so in
+``kind``. Scales take the activations' dtype, as the kernels require.
 """
 
 from __future__ import annotations
@@ -196,9 +197,15 @@ def fused(weights: list[TensorPayload], biases: list[torch.Tensor | None]) -> tu
     return weight, torch.cat([b if b is not None else torch.zeros(n) for b, n in zip(biases, rows)])
 
 
-def make_linear(weight: TensorPayload, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> Linear:
-    """The fastest layer this machine has for ``weight`` (a float tensor or a quantized one)."""
+def make_linear(weight: TensorPayload, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
+                cuda_kernels: bool = True) -> Linear:
+    """The fastest layer this machine has for ``weight`` (a float tensor or a quantized one);
+    ``cuda_kernels`` False: without runner/engine/cuda_linear.py's (its fallback)."""
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
+    if cuda_kernels and device.type == "cuda" and isinstance(weight, QuantizedTensor):
+        from runner.engine.cuda_linear import cuda_linear
+
+        return cuda_linear(weight, bias, dtype, device, lambda: make_linear(weight, bias, dtype, device, cuda_kernels=False))
     if isinstance(weight, QuantizedTensor) and device.type in ("cpu", "cuda") and weight.spec.format == "int":
         spec, (n_out, n_in) = weight.spec, weight.shape
         groups = weight.scales.shape[1]

@@ -1,6 +1,7 @@
-"""The engine's fused GPU kernels, in Triton (which ships with torch's CUDA builds). They run on
-CUDA only; a CPU, or a machine without Triton, keeps the torch paths of ``model.py``. Their tests
-run them on the CPU too, in Triton's interpreter (``TRITON_INTERPRET=1``)."""
+"""The engine's own GPU kernels, in Triton (which torch's CUDA wheels ship); each module holds one
+kernel family with its host-side packing and launch. They run on CUDA only (a CPU, or a machine
+without Triton, keeps the torch paths), and under Triton's interpreter (``TRITON_INTERPRET=1``) on
+a CPU for their tests."""
 
 from __future__ import annotations
 
