@@ -221,8 +221,7 @@ def test_a_weight_the_kernels_refuse_takes_its_former_path_and_says_why(name):
 
 
 @needs_triton
-@pytest.mark.parametrize("name", [n if n != "act-order-unequal" else pytest.param(n, marks=pytest.mark.xfail(
-    strict=True, reason="Int4Linear (linear.py, CPU and tinygemm) takes act-order groups to be of equal sizes")) for n in REFUSED])
+@pytest.mark.parametrize("name", REFUSED)
 def test_the_former_path_computes_the_dequantized_product(name):
     q, dtype, _ = _refused_weights()[name]
     x = _inputs(3, q.shape[1], dtype, 0)

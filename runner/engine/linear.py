@@ -159,6 +159,17 @@ class Int4Linear(Linear):
         return y if self.bias is None else y + self.bias
 
 
+def _equal_groups(weight: QuantizedTensor) -> bool:
+    """Whether the inputs fall into groups of one size, as the int4 kernels read them: in order, or
+    (act-order ``g_idx``) once sorted by group."""
+    n_in, groups = weight.shape[1], weight.scales.shape[1]
+    if n_in % groups:
+        return False
+    if weight.group_index is None:
+        return True
+    return bool((torch.bincount(weight.group_index.long(), minlength=groups) == n_in // groups).all())
+
+
 def _inner_k_tiles(n_in: int) -> int:
     """tinygemm's tiling of the inputs: the widest of 8, 4 or 2 tiles of 16 that divides them."""
     return next(tiles for tiles in (8, 4, 2) if n_in % (16 * tiles) == 0)
@@ -211,7 +222,7 @@ def make_linear(weight: TensorPayload, bias: torch.Tensor | None, dtype: torch.d
         groups = weight.scales.shape[1]
         if spec.bits == 8 and groups == 1 and weight.group_index is None and device.type == "cpu":
             return Int8Linear(weight, bias, dtype, device)
-        if spec.bits == 4 and n_in % groups == 0 and _int4_runs(n_out, n_in, n_in // groups, dtype, device):
+        if spec.bits == 4 and _equal_groups(weight) and _int4_runs(n_out, n_in, n_in // groups, dtype, device):
             return Int4Linear(weight, bias, dtype, device)
     dense = (weight.dequantize() if isinstance(weight, QuantizedTensor) else weight).to(device=device, dtype=dtype)
     packs = device.type == "cpu" and torch.backends.mkldnn.is_available() and (
