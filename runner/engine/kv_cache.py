@@ -106,9 +106,13 @@ class KVPool:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
-    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store each token's ``[kv_heads, dim]`` keys and values at its slot."""
-        block, offset = slots // self.block_size, slots % self.block_size
+    def where(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks and offsets of cache slots: found once a step, used by every layer's ``write``."""
+        return slots // self.block_size, slots % self.block_size
+
+    def write(self, layer: int, where: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store each token's ``[kv_heads, dim]`` keys and values at its slot (``where``: its block and offset)."""
+        block, offset = where
         self.keys.put(layer, block, offset, self._key_space(keys))
         self.values.put(layer, block, offset, self._rotated(values, self.value_rotation))
 

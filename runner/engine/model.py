@@ -196,9 +196,10 @@ class DecoderModel:
         d = step.decode
         in_order = step.prefill is None and d.valid is None  # then the decode rows are the step's rows, in order
         kernel = _fused_kernel(pool)
+        where = pool.where(step.slots)
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, self._norm(x, layer["attn_norm"]), rotary[a.rope_of(index)])
-            pool.write(index, step.slots, k, v)
+            pool.write(index, where, k, v)
             q = pool.queries(q)
             window = a.windows[index]
             if in_order:
