@@ -267,8 +267,6 @@ class DecoderModel:
             return out.view(n * m, a.heads, a.value_dim)
         width = m * groups  # the queries each block is scored against, per key-value head
         keys, values = pool.blocks(layer, d.ids)  # [blocks, kv, bs, dim], as the pool lays them out
-        if q.device.type == "cpu":  # a CPU's small batched products run several times as fast in fp32 as in bf16
-            q, keys, values = q.float(), keys.float(), values.float()
         nb = d.ids.numel()
         rows = q.view(n, m, kv, groups, a.head_dim)
         if m > 1:
