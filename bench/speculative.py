@@ -176,11 +176,11 @@ def verify_costs(model_path: Path, label: str, dtype: str) -> dict:
     e = LLM(model_path, dtype=dtype, kv_memory=1 << 28, max_model_len=2048).engine
     row = {}
     for batch in (1, 8):
-        plain = step_seconds(e.model, e.pool, e.blocks, e.config.block_size, e.device, batch, 0)
+        plain = step_seconds(e.model, e.pool, e.blocks, e.block_size, e.device, batch, 0)
         row[f"{label} decode step, {batch} seq (ms)"] = round(plain * 1e3, 2)
         for k in (4, 8):
             row[f"{label} verify {k} guesses / decode step, {batch} seq"] = round(
-                step_seconds(e.model, e.pool, e.blocks, e.config.block_size, e.device, batch, k) / plain, 3)
+                step_seconds(e.model, e.pool, e.blocks, e.block_size, e.device, batch, k) / plain, 3)
     return row
 
 
@@ -199,7 +199,7 @@ def draft_cost_8b(work: Path) -> dict:
             make_checkpoint(folder, LLAMA3 | {"num_hidden_layers": layers, "vocab_size": 8192})
         e = LLM(folder, dtype="bf16", kv_memory=1 << 28, max_model_len=2048, speculative="self=int4").engine
         d = e.proposer
-        steps[layers] = (step_seconds(e.model, e.pool, e.blocks, e.config.block_size, e.device, 1, 0),
+        steps[layers] = (step_seconds(e.model, e.pool, e.blocks, e.block_size, e.device, 1, 0),
                          step_seconds(d.model, d.pool, d.blocks, d.block_size, d.device, 1, 0))
     per_layer = [two - one for one, two in zip(steps[1], steps[2])]
     at_32 = [one - layer + 32 * layer for one, layer in zip(steps[1], per_layer)]

@@ -214,7 +214,7 @@ def plan(
 # The engine's options, the same for every command that runs it (generate, bench).
 _DTYPE = typer.Option("auto", "--dtype", help="Weights and activations: auto (the checkpoint's), bf16, fp16, fp32.")
 _KV_DTYPE = typer.Option("auto", "--kv-cache-dtype", help="KV cache: auto (as --dtype), bf16, fp16, fp32, fp8 (e4m3), int8 or int4 (llama.cpp q8_0/q4_0 blocks).")
-_BLOCK = typer.Option(16, "--block-size", help="Tokens per KV-cache block.")
+_BLOCK = typer.Option(None, "--block-size", help="Tokens per KV-cache block (default: 16 on a GPU, 128 on a CPU, as vLLM).")
 _SEQS = typer.Option(256, "--max-num-seqs", help="Most sequences running at once.")
 _TOKENS = typer.Option(2048, "--max-num-batched-tokens", help="Most tokens in one step (decode tokens and prompt chunks).")
 _KV_MEMORY = typer.Option(None, "--kv-memory", help="KV pool: bytes (e.g. 2GiB, 512MiB) or a share of free memory (e.g. 0.3; default 0.5, capped at what --max-num-seqs sequences fill).")
@@ -228,7 +228,7 @@ _PREFIX = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching
 _EAGER = typer.Option(False, "--enforce-eager", help="No CUDA graphs: decode steps run op by op (a CPU always runs so).")
 
 
-def _llm(model: Path, dtype: str, kv_cache_dtype: str, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+def _llm(model: Path, dtype: str, kv_cache_dtype: str, block_size: int | None, max_num_seqs: int, max_num_batched_tokens: int,
          kv_memory: Optional[str], max_model_len: Optional[int], enable_prefix_caching: bool,
          speculative: Optional[str] = None, enforce_eager: bool = False):
     from runner.engine.engine import parse_memory
@@ -248,7 +248,7 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(-1, "--top-k"),
     seed: Optional[int] = typer.Option(None, "--seed", help="Makes sampling reproducible."),
-    dtype: str = _DTYPE, kv_cache_dtype: str = _KV_DTYPE, block_size: int = _BLOCK, max_num_seqs: int = _SEQS,
+    dtype: str = _DTYPE, kv_cache_dtype: str = _KV_DTYPE, block_size: int | None = _BLOCK, max_num_seqs: int = _SEQS,
     max_num_batched_tokens: int = _TOKENS, kv_memory: Optional[str] = _KV_MEMORY, max_model_len: Optional[int] = _MAX_LEN,
     enable_prefix_caching: bool = _PREFIX, speculative: Optional[str] = _SPEC, enforce_eager: bool = _EAGER,
 ) -> None:
@@ -274,7 +274,7 @@ def bench(
     output_tokens: str = typer.Option("16,64,128,256", "--output-tokens", help="Output lengths, in turn (greedy, EOS ignored)."),
     text: Optional[Path] = typer.Option(None, "--text", help="Where prompts are cut from (default: the bundled evaluation text)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout (fields in docs/runner.md)."),
-    dtype: str = _DTYPE, kv_cache_dtype: str = _KV_DTYPE, block_size: int = _BLOCK, max_num_seqs: int = _SEQS,
+    dtype: str = _DTYPE, kv_cache_dtype: str = _KV_DTYPE, block_size: int | None = _BLOCK, max_num_seqs: int = _SEQS,
     max_num_batched_tokens: int = _TOKENS, kv_memory: Optional[str] = _KV_MEMORY, max_model_len: Optional[int] = _MAX_LEN,
     enable_prefix_caching: bool = _PREFIX, speculative: Optional[str] = _SPEC, enforce_eager: bool = _EAGER,
 ) -> None:
@@ -325,7 +325,7 @@ def serve(
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model's name in the API (default: the folder's, or the id)."),
     chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="A Jinja chat template file (default: the tokenizer's, else plain 'Role: text')."),
     max_request_bytes: Optional[int] = typer.Option(None, "--max-request-bytes", help="Larger request bodies get 413 before parsing (default: 1 MiB + 64 bytes per token of context)."),
-    dtype: str = _DTYPE, kv_cache_dtype: str = _KV_DTYPE, block_size: int = _BLOCK, max_num_seqs: int = _SEQS,
+    dtype: str = _DTYPE, kv_cache_dtype: str = _KV_DTYPE, block_size: int | None = _BLOCK, max_num_seqs: int = _SEQS,
     max_num_batched_tokens: int = _TOKENS, kv_memory: Optional[str] = _KV_MEMORY, max_model_len: Optional[int] = _MAX_LEN,
     enable_prefix_caching: bool = _PREFIX, speculative: Optional[str] = _SPEC, enforce_eager: bool = _EAGER,
 ) -> None:

@@ -53,7 +53,7 @@ def test_preemption_recomputes_to_the_same_tokens(models, prompts):
     from runner.engine.kv_cache import bytes_per_token
 
     per_block = bytes_per_token(HFCheckpoint.open(models["mistral"]).arch, "fp32") * 16
-    ours, llm = greedy(models["mistral"], prompts, kv_memory=12 * per_block, max_model_len=128)  # 12 blocks for 16 prompts
+    ours, llm = greedy(models["mistral"], prompts, kv_memory=12 * per_block, max_model_len=128, block_size=16)  # 12 blocks for 16 prompts
     assert llm.engine.scheduler.preemptions > 0
     assert ours == reference
 
@@ -214,7 +214,8 @@ def test_a_quantized_cache_computes_what_the_recipe_simulation_scored(models, pr
 
 
 def test_a_quantized_cache_holds_more_tokens_in_the_same_memory():
-    sizes = {cache: LLM(TINY, kv_cache_dtype=cache, kv_memory=8 * 2**20).engine.blocks.num_blocks for cache in ("bf16", "int8", "int4")}
+    sizes = {cache: LLM(TINY, kv_cache_dtype=cache, kv_memory=8 * 2**20, block_size=16).engine.blocks.num_blocks
+             for cache in ("bf16", "int8", "int4")}
     assert sizes["int8"] == pytest.approx(sizes["bf16"] * 16 / 8.5, rel=0.01)
     assert sizes["int4"] == pytest.approx(sizes["bf16"] * 16 / 4.5, rel=0.01)
 
@@ -239,7 +240,7 @@ def test_prefix_caching_shares_blocks_and_changes_no_token(models, name, engine)
     first = llm.generate(prompts[:1], params)  # computes and caches the shared start
     rest = llm.generate(prompts[1:] + prompts[:1], params)  # the first prompt again: all but its last block cached
     assert [o.token_ids for o in first + rest[:-1]] == reference and rest[-1].token_ids == reference[0]
-    bs = llm.engine.config.block_size
+    bs = llm.engine.block_size
     assert llm.engine.blocks.hit_tokens >= len(prompts) * (70 // bs) * bs
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
 
@@ -254,7 +255,7 @@ def test_cached_blocks_give_way_least_recently_used_first(models):
     reference = [o.token_ids for o in LLM(models["mistral"], dtype="fp32", kv_memory=32 * 2**20, max_model_len=128,
                                           enable_prefix_caching=False).generate(prompts, params)]
     per_block = bytes_per_token(HFCheckpoint.open(models["mistral"]).arch, "fp32") * 16
-    llm = LLM(models["mistral"], dtype="fp32", kv_memory=14 * per_block, max_model_len=128)
+    llm = LLM(models["mistral"], dtype="fp32", kv_memory=14 * per_block, max_model_len=128, block_size=16)
     ours = [llm.generate(p, params)[0].token_ids for p in prompts]  # one at a time: each leaves its blocks cached
     assert ours == reference
     blocks = llm.engine.blocks
@@ -263,9 +264,16 @@ def test_cached_blocks_give_way_least_recently_used_first(models):
 
 
 def test_a_share_of_memory_is_capped_at_what_the_running_sequences_can_fill():
-    llm = LLM(TINY, max_num_seqs=4, max_model_len=256, kv_memory=0.5)
+    llm = LLM(TINY, max_num_seqs=4, max_model_len=256, kv_memory=0.5, block_size=16)
     assert llm.engine.blocks.num_blocks == 4 * 256 // 16
-    assert LLM(TINY, max_num_seqs=4, max_model_len=256, kv_memory=8 * 2**20).engine.blocks.num_blocks > 4 * 256 // 16
+    assert LLM(TINY, max_num_seqs=4, max_model_len=256, kv_memory=8 * 2**20, block_size=16).engine.blocks.num_blocks > 4 * 256 // 16
+
+
+def test_the_block_size_is_vllms_for_the_device():
+    """16 tokens on a GPU, 128 on a CPU (the engine's default, as vLLM's); given, it is kept."""
+    llm = LLM(TINY, kv_memory=8 * 2**20)
+    assert llm.engine.block_size == (16 if llm.engine.device.type == "cuda" else 128) == llm.engine.pool.block_size
+    assert LLM(TINY, kv_memory=8 * 2**20, block_size=32).engine.blocks.block_size == 32
 
 
 @pytest.mark.parametrize("name, engine", [pytest.param("mistral", {}, marks=pytest.mark.check), ("llama-untied", {"block_size": 7}),

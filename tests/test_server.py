@@ -38,7 +38,7 @@ class Running:
         from runner.server.async_engine import AsyncEngine
 
         self.llm = LLM(TINY, dtype="fp32", kv_memory=32 * 2**20, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                       **engine)
+                       **{"block_size": 16, **engine})  # blocks shorter than the tests' prompts: prefix hits
         self.engine = AsyncEngine(self.llm, max_waiting)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -117,7 +117,7 @@ def test_guesses_under_preemption_change_no_token():
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     plain, _ = run(prompts, params)
     per_block = bytes_per_token(HFCheckpoint.open(TINY).arch, "fp32") * 16
-    llm = LLM(TINY, dtype="fp32", kv_memory=10 * per_block, max_model_len=128, max_num_seqs=8, speculative="ngram")
+    llm = LLM(TINY, dtype="fp32", kv_memory=10 * per_block, max_model_len=128, max_num_seqs=8, speculative="ngram", block_size=16)
     ours = llm.generate(prompts, params)
     assert [o.token_ids for o in ours] == [o.token_ids for o in plain]
     engine = llm.engine

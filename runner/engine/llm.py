@@ -28,7 +28,7 @@ class RequestOutput:
 class LLM:
     """A model served by the paged, continuously batched engine (runner/engine/)."""
 
-    def __init__(self, model: str | Path, dtype: str = "auto", kv_cache_dtype: str = "auto", block_size: int = 16,
+    def __init__(self, model: str | Path, dtype: str = "auto", kv_cache_dtype: str = "auto", block_size: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, kv_memory: float | int | None = None,
                  max_model_len: int | None = None, seed: int = 0, enable_prefix_caching: bool = True,
                  speculative: str | SpeculativeConfig | None = None, enforce_eager: bool = False):
