@@ -77,26 +77,31 @@ class Int8Linear(Linear):
         scales = q.scales[:, 0].float()
         codes = (q.codes.to(torch.int16) - 128).to(torch.int8)
         offset = (128 - q.zeros[:, 0]) * scales  # zero at the mid-level for symmetric weights: no offset
-        self.offset = None if not offset.any() else offset.to(dtype=dtype, device=device)
-        self.bias, self.dtype = bias, dtype
+        self.dtype = dtype
         self.digits = 4 if dtype == torch.float32 else 2  # 28 or 14 bits: finer than the input's own mantissa
+        # the digits' sums are taken in float64 for 28 bits, float32 for 14; int8pack's in the activations' dtype
+        wide = (torch.float64 if self.digits > 2 else torch.float32) if DIGIT_KERNEL else dtype
+        self.offset = None if not offset.any() else offset.to(dtype=wide, device=device)
+        self.bias = None if bias is None else bias.to(wide)
         if DIGIT_KERNEL:
             self.packed = _fbgemm_pack(codes, scales)
             # what the digits' offset adds to each output: 2^(7 digits - 1) · scale · sum of the row's codes
-            self.digit_offset = ((2.0 ** (7 * self.digits - 1)) * scales.double() * codes.sum(1, dtype=torch.int64).double()).to(
-                torch.float64 if self.digits > 2 else torch.float32)
+            self.digit_offset = ((2.0 ** (7 * self.digits - 1)) * scales.double() * codes.sum(1, dtype=torch.int64).double()).to(wide)
         else:
             self.codes, self.scales = codes.to(device), scales.to(dtype=dtype, device=device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._digits(x) if DIGIT_KERNEL else torch._weight_int8pack_mm(x, self.codes, self.scales)
+        if DIGIT_KERNEL:
+            return self._digits(x)
+        y = torch._weight_int8pack_mm(x, self.codes, self.scales)
         if self.offset is not None:
             y = y + x.sum(-1, keepdim=True) * self.offset
         return y if self.bias is None else y + self.bias
 
     def _digits(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ (codes · scale)ᵀ`` from one fbgemm call on the digit rows of ``x``: row ``r`` is
-        ``s_r · (u - 2^(b-1))``, ``u`` an integer of ``b = 7 · digits`` bits, ``u = Σ_j 128^j d_j``."""
+        """``x @ (codes · scale)ᵀ`` (with the zero-point's offset and the bias) from one fbgemm call
+        on the digit rows of ``x``: row ``r`` is ``s_r · (u - 2^(b-1))``, ``u`` an integer of
+        ``b = 7 · digits`` bits, ``u = Σ_j 128^j d_j``; one rounding to the activations' dtype, at the end."""
         rows, n_in, top = x.shape[0], x.shape[1], 2.0 ** (7 * self.digits - 1)
         wide = torch.float64 if self.digits > 2 else torch.float32  # exact for u's 28 (14) bits
         xf = x.to(wide)
@@ -113,7 +118,10 @@ class Int8Linear(Linear):
         y = out[-1].to(wide)
         for j in range(self.digits - 2, -1, -1):  # Horner: Σ_j 128^j out_j
             y = torch.add(out[j], y, alpha=128)
-        return y.sub_(self.digit_offset).mul_(scale).to(self.dtype)
+        y = y.sub_(self.digit_offset).mul_(scale)
+        if self.offset is not None:
+            y = y.addcmul_(xf.sum(-1, keepdim=True), self.offset)
+        return (y if self.bias is None else y.add_(self.bias)).to(self.dtype)
 
 
 def _fbgemm_pack(codes: torch.Tensor, scales: torch.Tensor):

@@ -1,0 +1,74 @@
+"""The engine's quantized layers on a CPU (runner/engine/linear.py): int8 codes by output channel
+multiplied by fbgemm's integer kernel through exact 7-bit digit rows of the input, against the
+product of the dequantized weights; torch's int8pack where there is no fbgemm; a tied output head
+as a packed copy of the embedding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import runner.engine.linear as linear
+from core.schemes import QuantSpec
+from quant.rtn import quantize_rtn
+from runner import LLM
+from helpers.engine import TINY
+
+pytestmark = [pytest.mark.check,  # the fast tier: about a second
+              pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's layers")]
+
+
+def _weight(symmetric: bool, n_out: int = 96, n_in: int = 520) -> torch.Tensor:
+    w = torch.randn(n_out, n_in, generator=torch.Generator().manual_seed(1)) * 0.02
+    return quantize_rtn(w, QuantSpec(8, symmetric, "channel"))
+
+
+def _inputs(rows: int, n_in: int, dtype: torch.dtype) -> torch.Tensor:
+    x = torch.randn(rows, n_in, generator=torch.Generator().manual_seed(2))
+    x[:, 7] *= 60  # an outlier channel, as real activations have: the digits' scale is the row's largest
+    return x.to(dtype)
+
+
+def _error(ours: torch.Tensor, x: torch.Tensor, q, bias) -> float:
+    expected = F.linear(x.double(), q.dequantize().double(), None if bias is None else bias.double())
+    return ((ours.double() - expected).norm() / expected.norm()).item()
+
+
+@pytest.mark.skipif(not linear.DIGIT_KERNEL, reason="this torch has no fbgemm (not an x86 build)")
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_int8_digit_rows_give_the_dequantized_product(symmetric, rows):
+    """fp32 inputs as 4 digits (28 bits) come within 1e-5 of the exact product (fbgemm returns each
+    digit's product in float32, and the digits' offset, 2^27 times the codes' sum, cancels after);
+    bf16 inputs as 2 digits (14 bits) stray no further than bf16's own rounding of the output."""
+    q = _weight(symmetric)
+    bias = torch.randn(q.shape[0], generator=torch.Generator().manual_seed(3)) * 0.1
+    fp32 = linear.Int8Linear(q, bias, torch.float32, torch.device("cpu"))
+    assert fp32.digits == 4 and fp32.kind == "int8"
+    x = _inputs(rows, q.shape[1], torch.float32)
+    assert _error(fp32(x), x, q, bias) < 1e-5
+
+    bf16 = linear.Int8Linear(q, bias.bfloat16(), torch.bfloat16, torch.device("cpu"))
+    xb = _inputs(rows, q.shape[1], torch.bfloat16)
+    ours = bf16(xb)
+    assert ours.dtype == torch.bfloat16 and bf16.digits == 2
+    bf16_rounding = _error(F.linear(xb.double(), q.dequantize().double(), bias.double()).bfloat16(), xb, q, bias)
+    assert _error(ours, xb, q, bias) < 2 * bf16_rounding
+
+
+def test_int8_without_fbgemm_runs_on_int8pack(monkeypatch):
+    q = _weight(False, n_in=512)  # int8pack's bf16 kernel wants inputs in multiples of 32
+    monkeypatch.setattr(linear, "DIGIT_KERNEL", False)
+    layer = linear.Int8Linear(q, None, torch.float32, torch.device("cpu"))
+    assert not hasattr(layer, "packed")
+    x = _inputs(3, 512, torch.float32)
+    assert _error(layer(x), x, q, None) < 2e-6
+
+
+def test_a_tied_head_is_a_packed_copy_of_the_embedding_on_a_cpu():
+    llm = LLM(TINY, dtype="bf16", kv_memory=8 * 2**20)
+    model = llm.engine.model
+    assert isinstance(model.lm_head, linear.PackedLinear) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    x = torch.randn(3, model.embed.shape[1], generator=torch.Generator().manual_seed(4)).bfloat16()
+    torch.testing.assert_close(model.lm_head(x).float(), F.linear(x, model.embed).float(), rtol=2e-2, atol=2e-2)
