@@ -190,8 +190,8 @@ def _fp16_scale(scale: torch.Tensor, name: str) -> torch.Tensor:
     if not torch.isfinite(scale).all():
         raise InputError(f"{name}: a quantization scale overflows (weights too large)")
     half = scale.clamp(min=_FP16_TINY).to(torch.float16)
-    below = half.to(torch.float32) < scale
-    half[below] = torch.nextafter(half[below], torch.tensor(float("inf"), dtype=torch.float16, device=half.device))
+    below = half.to(torch.float32) < scale  # stepped up by a where, not a masked write: no sync on a GPU
+    half = torch.where(below, torch.nextafter(half, torch.tensor(float("inf"), dtype=torch.float16, device=half.device)), half)
     if torch.isinf(half).any():
         raise InputError(f"{name}: a quantization scale overflows fp16 (weights too large)")
     return half.to(torch.float32)

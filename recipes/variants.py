@@ -2,7 +2,8 @@
 into the variant's files and, when it is to be evaluated, into its weights kept on disk as the
 quantizer made them (formats/variant_weights.py), which the evaluation then streams.
 
-One tensor is in flight at a time; the writers lay out their headers from a plan made before the
+One tensor is in flight at a time on a CPU, a few with a GPU (read and quantized ahead of the one
+being written: core/overlap.py); the writers lay out their headers from a plan made before the
 first tensor is read, so a model larger than RAM converts in bounded memory.
 """
 
@@ -14,7 +15,9 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
+from core.device import overlap_workers
 from core.errors import InputError
+from core.overlap import ordered_map
 from core.tensors import TensorPayload, dequantized
 from formats.checkpoint_format import CheckpointFormat, ExportContents, Writer
 from formats.hf import HFCheckpoint
@@ -103,14 +106,17 @@ def _build(ckpt: HFCheckpoint, variant: Variant, out_dir: Path, progress: Progre
         for fmt in in_writing_order(variant.exports):
             writers.append((fmt, fmt.open(outputs, files, contents)))
         dense = any(fmt.dense for fmt, _ in writers)
-        for name in plan.names:
-            source = None if name in fitted else ckpt.tensor(name)
-            if source is None:
-                payload = fitted.payload(name)
-            else:
-                payload = method.quantize(ckpt, variant, plan, name, source, imatrix)
-                if kept is not None:
-                    kept.put(name, payload)
+
+        def prepare(name: str) -> tuple[str, torch.Tensor | None, TensorPayload]:
+            if name in fitted:
+                return name, None, fitted.payload(name)
+            source = ckpt.tensor(name)
+            return name, source, method.quantize(ckpt, variant, plan, name, source, imatrix)
+
+        # with a GPU, the next tensors are read and quantized (or GGUF-encoded) while this one is written
+        for name, source, payload in ordered_map(prepare, plan.names, overlap_workers()):
+            if source is not None and kept is not None:
+                kept.put(name, payload)
             # float32 weights only where a dense export or the weight error takes them: an 8B
             # model's embedding and head (no decoder Linears, so no weight error) are 2 GiB each
             compared = measure == WEIGHT_ERROR and name.removesuffix(".weight") in linears
