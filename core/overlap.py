@@ -38,3 +38,35 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], ahead: int) -> Iterato
         finally:
             for future in pending:
                 future.cancel()
+
+
+class Behind:
+    """Calls run in order in one background thread while the caller goes on (a GPU pass writing
+    a fitted layer's tensors to disk while it fits the next), at most ``depth`` waiting or running:
+    ``submit`` waits for the oldest first, which bounds the results held. ``depth`` 0 runs each
+    call at once, in the caller's thread. Leaving the ``with`` block waits for every call, and an
+    exception from one is raised there or at the next ``submit``."""
+
+    def __init__(self, depth: int):
+        self._depth = depth
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="behind") if depth > 0 else None
+        self._pending: deque[Future[None]] = deque()
+
+    def submit(self, call: Callable[[], None]) -> None:
+        if self._pool is None:
+            call()
+            return
+        while len(self._pending) >= self._depth:
+            self._pending.popleft().result()
+        self._pending.append(self._pool.submit(call))
+
+    def __enter__(self) -> "Behind":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            while self._pending:
+                self._pending.popleft().result()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)

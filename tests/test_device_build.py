@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import recipes.variants as variants
-from conftest import REPO, TINY
+from calib.text import sample_windows
+from conftest import BUNDLED, REPO, TINY
 from core.device import overlap_workers, working_device
-from core.overlap import ordered_map
+from core.overlap import Behind, ordered_map
 from core.schemes import QuantSpec
-from formats.hf import HFCheckpoint
+from formats.hf import HFCheckpoint, load_tokenizer
 from quant.gptq import GPTQSettings, gptq_quantize
 from quant.rtn import quantize_rtn
 from recipes.schema import Variant
@@ -59,22 +60,48 @@ def test_ordered_map_keeps_the_order_holds_few_at_once_and_raises_where_consumed
     assert got == [0, 1, 2]
 
 
+@pytest.mark.check
+def test_behind_runs_calls_in_order_beside_the_caller_and_raises_their_errors():
+    done: list[int] = []
+    with Behind(1) as behind:
+        for i in range(6):
+            behind.submit(lambda i=i: (time.sleep(0.005), done.append(i)))
+        assert len(done) >= 4  # each submit waited for all but the newest call
+    assert done == list(range(6))
+    with Behind(0) as inline:
+        inline.submit(lambda: done.append(threading.current_thread() is threading.main_thread()))
+    assert done[-1] is True
+
+    def boom() -> None:
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        with Behind(1) as behind:
+            behind.submit(boom)
+
+
+RTN = {"name": "rtn", "weights": {"method": "rtn", "bits": 4, "granularity": "group", "group_size": 64},
+       "exports": ["compressed-tensors"]}
 VARIANTS = [
-    {"name": "rtn", "weights": {"method": "rtn", "bits": 4, "granularity": "group", "group_size": 64},
-     "exports": ["compressed-tensors"]},
-    {"name": "q4km", "weights": {"method": "gguf", "type": "Q4_K_M"}, "exports": ["gguf"]},
+    pytest.param(RTN, id="rtn"),
+    pytest.param({"name": "q4km", "weights": {"method": "gguf", "type": "Q4_K_M"}, "exports": ["gguf"]}, id="q4km",
+                 marks=pytest.mark.check),
+    pytest.param({"name": "gptq", "weights": {"method": "gptq", "bits": 4, "group_size": 64}, "exports": ["gptq"]}, id="gptq",
+                 marks=pytest.mark.check),
 ]
 
 
-@pytest.mark.check
-@pytest.mark.parametrize("spec", VARIANTS, ids=lambda v: v["name"])
+@pytest.mark.parametrize("spec", VARIANTS)
 def test_the_build_reading_ahead_writes_the_serial_builds_files(tmp_path, monkeypatch, spec):
+    """With a GPU, tensors are read and quantized ahead of the writers, and a fitted layer's
+    tensors are written while the next layer is fitted (GPTQ): here, on the CPU, the same threads."""
     ckpt, variant = HFCheckpoint.open(TINY), Variant.model_validate(spec)
+    windows = sample_windows(load_tokenizer(ckpt), BUNDLED / "calib.txt", 64, 4) if variant.needs_calibration else None
     built = {}
     for ahead in (0, 2):
         monkeypatch.setattr(variants, "overlap_workers", lambda: ahead)
         out = tmp_path / f"ahead-{ahead}"
-        result = variants.build_variant(ckpt, variant, out, keep=out / "kept")
+        result = variants.build_variant(ckpt, variant, out, keep=out / "kept", calibration=windows)
         built[ahead] = {p.relative_to(out): p.read_bytes() for f in result.files for p in ([f] if f.is_file() else sorted(f.rglob("*")))
                         if p.is_file()}
         built[ahead, "errors"] = result.linear_errors
@@ -113,7 +140,7 @@ def test_gptq_on_cuda_chooses_the_cpus_codes(act_order, static_groups):
 
 @cuda
 def test_the_rtn_method_quantizes_on_the_gpu_and_hands_back_cpu_codes():
-    ckpt, variant = HFCheckpoint.open(TINY), Variant.model_validate(VARIANTS[0])
+    ckpt, variant = HFCheckpoint.open(TINY), Variant.model_validate(RTN)
     method = variants.method_of(variant.weights)
     plan = method.plan(ckpt, variant, False)
     name = sorted(plan.quantized)[0]
