@@ -22,7 +22,7 @@ measured, so a run cut short keeps what it measured.
 ``--shape small`` runs the bundled tiny model's shape (hidden 256, 6 layers), a CPU smoke run of a
 few seconds.
 
-    python bench/recipe_gpu.py [--shape 8b|small] [--layers N] [--out rows.jsonl] [--keep DIR]
+    python bench/recipe_gpu.py [--shape 8b|small] [--layers N] [--stages rtn,gptq,gguf,eval] [--out rows.jsonl] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -85,8 +85,12 @@ def checkpoint(work: Path, config: dict, layers: int, keep: Path | None) -> Path
     return model
 
 
-def stages(model: Path, out: Path) -> dict[str, Callable[[], object]]:
-    """Each stage of the recipe on the checkpoint at ``model``, writing under ``out``, in order."""
+STAGE_GROUPS = ("rtn", "gptq", "gguf", "eval")
+
+
+def stages(model: Path, out: Path) -> dict[str, dict[str, Callable[[], object]]]:
+    """Each stage of the recipe on the checkpoint at ``model``, writing under ``out``, in order, by
+    the ``--stages`` name that picks it."""
     from calib.text import sample_windows, token_windows
     from evalsuite.streamed import streamed_scores
     from formats.hf import HFCheckpoint, load_tokenizer
@@ -105,11 +109,11 @@ def stages(model: Path, out: Path) -> dict[str, Callable[[], object]]:
         build_variant(ckpt, variants["q4_k_m"], out, imatrix=imatrix, calibration=calibration)
 
     return {
-        "rtn int4 g128 + compressed-tensors": lambda: build_variant(ckpt, variants["rtn"], out),
-        "gptq w4 g128 + export": lambda: build_variant(ckpt, variants["gptq"], out, calibration=calibration),
-        "importance matrix": lambda: imatrix.update(model_imatrix(ckpt, calibration)),
-        "q4_k_m imatrix + gguf": q4_k_m,
-        f"evaluation, {len(windows)} windows": lambda: streamed_scores(ckpt, windows),
+        "rtn": {"rtn int4 g128 + compressed-tensors": lambda: build_variant(ckpt, variants["rtn"], out)},
+        "gptq": {"gptq w4 g128 + export": lambda: build_variant(ckpt, variants["gptq"], out, calibration=calibration)},
+        "gguf": {"importance matrix": lambda: imatrix.update(model_imatrix(ckpt, calibration)),
+                 "q4_k_m imatrix + gguf": q4_k_m},
+        "eval": {f"evaluation, {len(windows)} windows": lambda: streamed_scores(ckpt, windows)},
     }
 
 
@@ -123,13 +127,15 @@ def timed(run: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def measure(work: Path, config: dict, cuts: list[int], keep: Path | None, record: Callable[[dict], None]) -> dict:
-    """Seconds by stage and cut, each recorded as measured."""
+def measure(work: Path, config: dict, cuts: list[int], keep: Path | None, chosen: list[str],
+            record: Callable[[dict], None]) -> dict:
+    """Seconds by stage and cut for the ``chosen`` stage groups, each recorded as measured."""
     seconds: dict[str, dict[int, float]] = {}
     for layers in cuts:
         model = checkpoint(work, config, layers, keep)
         out = work / f"out-{layers}"
-        for stage, run in stages(model, out).items():
+        groups = stages(model, out)
+        for stage, run in ((s, r) for g in chosen for s, r in groups[g].items()):
             took = timed(run)
             seconds.setdefault(stage, {})[layers] = took
             record({"stage": stage, "layers": layers, "seconds": round(took, 3)})
@@ -151,7 +157,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of the larger cut (the smaller has 1)")
     parser.add_argument("--out", type=Path, help="append each row here as a JSON line as it is measured")
     parser.add_argument("--keep", type=Path, help="keep the synthetic checkpoints here (reused when present)")
+    parser.add_argument("--stages", default=",".join(STAGE_GROUPS), help=f"which stages, of {','.join(STAGE_GROUPS)}")
     args = parser.parse_args(argv)
+    chosen = args.stages.split(",")
+    if not chosen or set(chosen) - set(STAGE_GROUPS):
+        parser.error(f"--stages: a comma-separated list of {', '.join(STAGE_GROUPS)}")
     if args.layers < 2:
         parser.error("--layers: at least 2 (the per-layer cost is the difference from 1 layer)")
     rows: list[dict] = []
@@ -166,7 +176,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     record({"device": warm_up(), "shape": args.shape})
     work = Path(tempfile.mkdtemp(prefix="recipe_gpu_"))
     try:
-        seconds = measure(work, SHAPES[args.shape], [1, args.layers], args.keep, record)
+        seconds = measure(work, SHAPES[args.shape], [1, args.layers], args.keep, chosen, record)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     whole = 0.0
@@ -178,7 +188,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 f"at_{TARGET_LAYERS}_layers_s": round(estimate, 1)})
         print(f"{stage:36s} {per_layer:12.2f} {fixed:9.2f} {estimate:9.1f}")
     record({"stage": "whole recipe", f"at_{TARGET_LAYERS}_layers_s": round(whole, 1)})
-    verdict = f"; target < 15 min on an H200: {'PASS' if whole < 15 * 60 else 'FAIL'}" if args.shape == "8b" else ""
+    complete = args.shape == "8b" and len(chosen) == len(STAGE_GROUPS)
+    verdict = f"; target < 15 min on an H200: {'PASS' if whole < 15 * 60 else 'FAIL'}" if complete else ""
     print(f"\nwhole recipe extrapolated to {TARGET_LAYERS} layers: {whole:.0f} s ({whole / 60:.1f} min{verdict})")
     return rows
 
