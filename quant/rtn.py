@@ -13,7 +13,7 @@ import torch
 
 from core.errors import InputError
 from core.schemes import FORMAT_MAX, FOUR_BIT_CODES, FP8_DTYPES, QuantSpec, code_values
-from core.tensors import QuantizedTensor
+from core.tensors import QuantizedTensor, all_finite
 
 _FP16_TINY = 2.0**-24  # smallest positive fp16 (subnormal): a scale must survive the fp16 round trip
 _RECIPROCAL_FLOOR = 1e-38  # bitsandbytes' floor on a block's absmax before it takes the reciprocal
@@ -75,7 +75,7 @@ def fit_grid(w: torch.Tensor, spec: QuantSpec, name: str = "tensor") -> tuple[to
     """Scale and zero-point of each group of ``w [rows, n_groups, elements]`` (see
     ``quantize_rtn``), for any format and range choice; per-tensor specs share one range across
     every group. Float formats' zero-points are 0."""
-    if not torch.isfinite(w).all():
+    if not all_finite(w):
         raise InputError(f"{name}: weights contain NaN or Inf")
     lo, hi = _bounds(w, spec)
     if spec.range != "mse":

@@ -16,6 +16,7 @@ from conftest import BUNDLED, REPO, TINY
 from core.device import overlap_workers, working_device
 from core.overlap import Behind, ordered_map
 from core.schemes import QuantSpec
+from core.tensors import all_finite
 from formats.hf import HFCheckpoint, load_tokenizer
 from quant.gptq import GPTQSettings, gptq_quantize
 from quant.rtn import quantize_rtn
@@ -29,6 +30,25 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 def test_without_a_gpu_the_work_stays_on_the_cpu_and_nothing_runs_ahead():
     assert working_device() == torch.device("cpu")
     assert overlap_workers() == 0
+
+
+@pytest.mark.check
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_all_finite_agrees_with_isfinite(device):
+    """The one-read scan that the quantizers and the pass-through check run on whole weights."""
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        w = torch.randn(64, 96, generator=gen).to(dtype)
+        cases = [w, w[:0], w[:, 5]]
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            for at in ((0, 0), (63, 95), (17, 40)):
+                spoilt = w.clone()
+                spoilt[at] = bad
+                cases.append(spoilt)
+        for x in cases:
+            x = x.to(device)
+            assert all_finite(x) == bool(torch.isfinite(x).all())
+    assert all_finite(torch.arange(10, device=device))
 
 
 @pytest.mark.check
