@@ -117,14 +117,19 @@ def stages(model: Path, out: Path) -> dict[str, dict[str, Callable[[], object]]]
     }
 
 
-def timed(run: Callable[[], object]) -> float:
+def timed(run: Callable[[], object]) -> dict:
+    """The stage's seconds, and on a GPU its peak of allocated GPU memory."""
     import torch
 
+    gpu = torch.cuda.is_available()
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     run()
-    if torch.cuda.is_available():
+    if gpu:
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    took = {"seconds": round(time.perf_counter() - start, 3)}
+    return took | ({"gpu_peak_mib": round(torch.cuda.max_memory_allocated() / 2**20)} if gpu else {})
 
 
 def measure(work: Path, config: dict, cuts: list[int], keep: Path | None, chosen: list[str],
@@ -137,8 +142,8 @@ def measure(work: Path, config: dict, cuts: list[int], keep: Path | None, chosen
         groups = stages(model, out)
         for stage, run in ((s, r) for g in chosen for s, r in groups[g].items()):
             took = timed(run)
-            seconds.setdefault(stage, {})[layers] = took
-            record({"stage": stage, "layers": layers, "seconds": round(took, 3)})
+            seconds.setdefault(stage, {})[layers] = took["seconds"]
+            record({"stage": stage, "layers": layers} | took)
         shutil.rmtree(out, ignore_errors=True)
     return seconds
 

@@ -32,6 +32,12 @@ def test_without_a_gpu_the_work_stays_on_the_cpu_and_nothing_runs_ahead():
     assert overlap_workers() == 0
 
 
+@cuda
+def test_with_a_gpu_the_work_goes_there_and_the_next_tensors_are_prepared_ahead():
+    assert working_device().type == "cuda"
+    assert overlap_workers() > 0
+
+
 @pytest.mark.check
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
 def test_all_finite_agrees_with_isfinite(device):
