@@ -127,14 +127,21 @@ def _quantile(x: torch.Tensor, q: float) -> torch.Tensor:
 def _grid(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, shrink: float, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero-point of each group for its range ``(lo, hi)`` shrunk by ``shrink``."""
     if spec.format != "int":
-        scales = shrink * hi / FORMAT_MAX[spec.format]
+        scales = _divided(shrink * hi, FORMAT_MAX[spec.format])
         return scales, torch.zeros_like(scales)
     if spec.symmetric:
-        scales = _fp16_scale(shrink * 2 * hi / (2**spec.bits - 1), name)
+        scales = _fp16_scale(_divided(shrink * 2 * hi, 2**spec.bits - 1), name)
         return scales, torch.full_like(scales, float(2 ** (spec.bits - 1)))
     maxq = 2**spec.bits - 1
-    scales = _fp16_scale(shrink * (hi - lo) / maxq, name)
+    scales = _fp16_scale(_divided(shrink * (hi - lo), maxq), name)
     return scales, torch.round(-shrink * lo / scales).clamp(0, maxq)
+
+
+def _divided(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor`` rounded once, on any device: torch's CUDA division by a Python number
+    multiplies by its reciprocal (a second rounding, which changes a third or more of the scales'
+    last bits), its division by a tensor on the same device divides, as the CPU always does."""
+    return x / x.new_full((), divisor)
 
 
 def round_to_grid(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
