@@ -19,8 +19,8 @@ R = TypeVar("R")
 
 def ordered_map(fn: Callable[[T], R], items: Iterable[T], ahead: int) -> Iterator[R]:
     """``fn`` of each item, in the items' order, with up to ``ahead`` items computed in threads
-    beyond the one being consumed (at most ``ahead + 1`` results held at once: memory stays
-    bounded). ``ahead`` 0 is the plain serial map, with no thread. An exception from ``fn`` is
+    beyond the one being consumed (about ``ahead + 1`` results held at once, one more while the
+    consumer still holds the last: memory stays bounded). ``ahead`` 0 is the plain serial map, with no thread. An exception from ``fn`` is
     raised where its result is consumed; the work already started is then waited for, not lost
     in the background."""
     if ahead <= 0:
