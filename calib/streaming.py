@@ -20,6 +20,7 @@ from typing import Iterator, NamedTuple, TypeVar
 import torch
 
 from calib.layerwise import LayerInputs, decoder_layers, first_layer_inputs, layers_prefix, run_layer
+from core.device import working_device
 from core.tensors import GGMLTensor, TensorPayload, dequantized, float_rows
 from formats.architecture import meta_model, transformers_config
 from formats.hf import HFCheckpoint
@@ -33,10 +34,6 @@ class LayerStep(NamedTuple):
     prefix: str  # the layer's weight-name prefix, e.g. "model.layers.3."
     layer: torch.nn.Module
     inputs: LayerInputs
-
-
-def working_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def fast_bf16(device: torch.device) -> bool:

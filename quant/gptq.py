@@ -25,7 +25,7 @@ import torch
 
 from core.errors import InputError
 from core.schemes import QuantSpec
-from core.tensors import QuantizedTensor
+from core.tensors import QuantizedTensor, all_finite
 from quant.error import relative_error
 from quant.rtn import fit_grid, grid_values, round_to_grid
 
@@ -61,7 +61,7 @@ def gptq_quantize(
         raise InputError(f"{name}: input size {n_in} is not a multiple of group_size {group}")
     W = weight.to(torch.float32).clone()
     H = hessian.to(torch.float32)  # copied only where changed: a down_proj's is 14336² (822 MB)
-    if not torch.isfinite(H).all():
+    if not all_finite(H):
         raise InputError(f"{name}: calibration activations contain NaN or Inf")
     dead = torch.diagonal(H) == 0  # inputs that were always zero: any weight there is free
     if dead.any():
@@ -79,7 +79,13 @@ def gptq_quantize(
     Hinv, damp = _inverse_hessian_factor(H, settings.damp, name)
 
     codes = torch.empty(W.shape, dtype=torch.uint8, device=device)
-    col_group = torch.empty(n_in, dtype=torch.int64, device=device)  # by visit position
+    # each visited column's group, by visit position: known before the loop, which then neither
+    # writes one element per column nor (static groups) reads one back from a GPU
+    if spec.granularity != "group":
+        col_group = torch.zeros(n_in, dtype=torch.int64, device=device)
+    else:
+        col_group = (perm if settings.static_groups else torch.arange(n_in, device=device)) // group
+    static_group = col_group.tolist() if spec.granularity == "group" and settings.static_groups else None
     scales, zeros = [], []
     loss = torch.zeros((), dtype=torch.float64, device=device)
     block = -(-max(settings.block_size, group) // group) * group if spec.granularity == "group" else settings.block_size
@@ -90,20 +96,14 @@ def gptq_quantize(
         Hinv1 = Hinv[b0:b1, b0:b1]
         for i in range(b1 - b0):
             j = b0 + i
-            if spec.granularity != "group":
-                g = 0
-            elif settings.static_groups:
-                g = int(perm[j]) // group
-            else:
-                g = j // group
+            if spec.granularity == "group" and not settings.static_groups:
                 if j % group == 0:  # a new group starts: its range from the weights as updated so far
                     s, z = fit_grid(W1[:, i : i + group].unsqueeze(1), spec, name)
                     scales.append(s[:, 0])
                     zeros.append(z[:, 0])
-            col_group[j] = g
-            if spec.granularity == "group" and not settings.static_groups:
-                s, z = scales[g], zeros[g]
+                s, z = scales[j // group], zeros[j // group]
             else:
+                g = 0 if spec.granularity != "group" else static_group[j]
                 s, z = fixed_scales[:, g], fixed_zeros[:, g]
             w = W1[:, i]
             q = round_to_grid(w, s, z, spec)

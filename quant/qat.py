@@ -31,7 +31,8 @@ import torch
 from torch.func import functional_call
 
 from calib.layerwise import input_statistics, run_layer
-from calib.streaming import LayerStep, fast_bf16, skeleton, to_cpu, walk_layers, working_device
+from calib.streaming import LayerStep, fast_bf16, skeleton, to_cpu, walk_layers
+from core.device import working_device
 from core.errors import InputError
 from core.schemes import QuantSpec
 from core.tensors import GGMLTensor, LayerResult, QuantizedTensor

@@ -23,7 +23,8 @@ from typing import Callable
 import torch
 
 from calib.distributions import TopK
-from calib.streaming import float_logits, skeleton, working_device
+from calib.streaming import float_logits, skeleton
+from core.device import working_device
 from core.tensors import GGMLTensor, LayerResult, QuantizedTensor
 from formats.hf import HFCheckpoint
 from quant.qat_checkpoint import QATCheckpoint

@@ -13,7 +13,7 @@ import torch
 
 from core.errors import InputError
 from core.schemes import FORMAT_MAX, FOUR_BIT_CODES, FP8_DTYPES, QuantSpec, code_values
-from core.tensors import QuantizedTensor
+from core.tensors import QuantizedTensor, all_finite
 
 _FP16_TINY = 2.0**-24  # smallest positive fp16 (subnormal): a scale must survive the fp16 round trip
 _RECIPROCAL_FLOOR = 1e-38  # bitsandbytes' floor on a block's absmax before it takes the reciprocal
@@ -75,7 +75,7 @@ def fit_grid(w: torch.Tensor, spec: QuantSpec, name: str = "tensor") -> tuple[to
     """Scale and zero-point of each group of ``w [rows, n_groups, elements]`` (see
     ``quantize_rtn``), for any format and range choice; per-tensor specs share one range across
     every group. Float formats' zero-points are 0."""
-    if not torch.isfinite(w).all():
+    if not all_finite(w):
         raise InputError(f"{name}: weights contain NaN or Inf")
     lo, hi = _bounds(w, spec)
     if spec.range != "mse":
@@ -127,14 +127,21 @@ def _quantile(x: torch.Tensor, q: float) -> torch.Tensor:
 def _grid(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, shrink: float, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero-point of each group for its range ``(lo, hi)`` shrunk by ``shrink``."""
     if spec.format != "int":
-        scales = shrink * hi / FORMAT_MAX[spec.format]
+        scales = _divided(shrink * hi, FORMAT_MAX[spec.format])
         return scales, torch.zeros_like(scales)
     if spec.symmetric:
-        scales = _fp16_scale(shrink * 2 * hi / (2**spec.bits - 1), name)
+        scales = _fp16_scale(_divided(shrink * 2 * hi, 2**spec.bits - 1), name)
         return scales, torch.full_like(scales, float(2 ** (spec.bits - 1)))
     maxq = 2**spec.bits - 1
-    scales = _fp16_scale(shrink * (hi - lo) / maxq, name)
+    scales = _fp16_scale(_divided(shrink * (hi - lo), maxq), name)
     return scales, torch.round(-shrink * lo / scales).clamp(0, maxq)
+
+
+def _divided(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor`` rounded once, on any device: torch's CUDA division by a Python number
+    multiplies by its reciprocal (a second rounding, which changes a third or more of the scales'
+    last bits), its division by a tensor on the same device divides, as the CPU always does."""
+    return x / x.new_full((), divisor)
 
 
 def round_to_grid(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -190,8 +197,8 @@ def _fp16_scale(scale: torch.Tensor, name: str) -> torch.Tensor:
     if not torch.isfinite(scale).all():
         raise InputError(f"{name}: a quantization scale overflows (weights too large)")
     half = scale.clamp(min=_FP16_TINY).to(torch.float16)
-    below = half.to(torch.float32) < scale
-    half[below] = torch.nextafter(half[below], torch.tensor(float("inf"), dtype=torch.float16, device=half.device))
+    below = half.to(torch.float32) < scale  # stepped up by a where, not a masked write: no sync on a GPU
+    half = torch.where(below, torch.nextafter(half, torch.tensor(float("inf"), dtype=torch.float16, device=half.device)), half)
     if torch.isinf(half).any():
         raise InputError(f"{name}: a quantization scale overflows fp16 (weights too large)")
     return half.to(torch.float32)

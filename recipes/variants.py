@@ -2,19 +2,23 @@
 into the variant's files and, when it is to be evaluated, into its weights kept on disk as the
 quantizer made them (formats/variant_weights.py), which the evaluation then streams.
 
-One tensor is in flight at a time; the writers lay out their headers from a plan made before the
+One tensor is in flight at a time on a CPU, a few with a GPU (read and quantized ahead of the one
+being written: core/overlap.py); the writers lay out their headers from a plan made before the
 first tensor is read, so a model larger than RAM converts in bounded memory.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from rich.progress import Progress
 
+from core.device import overlap_workers
 from core.errors import InputError
+from core.overlap import Behind, ordered_map
 from core.tensors import TensorPayload, dequantized
 from formats.checkpoint_format import CheckpointFormat, ExportContents, Writer
 from formats.hf import HFCheckpoint
@@ -103,22 +107,27 @@ def _build(ckpt: HFCheckpoint, variant: Variant, out_dir: Path, progress: Progre
         for fmt in in_writing_order(variant.exports):
             writers.append((fmt, fmt.open(outputs, files, contents)))
         dense = any(fmt.dense for fmt, _ in writers)
-        for name in plan.names:
+
+        def prepare(name: str) -> tuple[str, bool, TensorPayload, torch.Tensor | None, float | None]:
+            """The tensor as the writers take it (and whether it was quantized here), its float32
+            weights only where a dense export or the weight error takes them (an 8B model's
+            embedding and head, no decoder Linears so no weight error, are 2 GiB each), and its
+            weight error where measured."""
             source = None if name in fitted else ckpt.tensor(name)
-            if source is None:
-                payload = fitted.payload(name)
-            else:
-                payload = method.quantize(ckpt, variant, plan, name, source, imatrix)
-                if kept is not None:
-                    kept.put(name, payload)
-            # float32 weights only where a dense export or the weight error takes them: an 8B
-            # model's embedding and head (no decoder Linears, so no weight error) are 2 GiB each
+            payload = fitted.payload(name) if source is None else method.quantize(ckpt, variant, plan, name, source, imatrix)
             compared = measure == WEIGHT_ERROR and name.removesuffix(".weight") in linears
             weights = dequantized(payload) if compared or dense else None
+            error = relative_error(ckpt.tensor(name) if source is None else source, weights) if compared else None
+            return name, source is not None, payload, weights, error
+
+        # with a GPU, the next tensors are read, quantized (or GGUF-encoded) and measured while this one is written
+        for name, fresh, payload, weights, error in ordered_map(prepare, plan.names, overlap_workers()):
+            if fresh and kept is not None:
+                kept.put(name, payload)
             for fmt, w in writers:
                 w.add(name, weights if fmt.dense else payload)
-            if compared:
-                errors[name.removesuffix(".weight")] = relative_error(ckpt.tensor(name) if source is None else source, weights)
+            if error is not None:
+                errors[name.removesuffix(".weight")] = error
             n = _numel(ckpt.shape(name))
             bits += _bits(payload) * n
             params += n
@@ -184,17 +193,23 @@ def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None, pro
     statistics: dict[str, dict] = {}
     errors: dict[str, float] = {}
     task = progress.add_task(f"{variant.name}: {label} layers", total=ckpt.arch.layers)
+    # with a GPU, a fitted layer's tensors are written while the next layer is fitted
     try:
-        for layer in layers:
-            for name, payload in layer.tensors.items():
-                fitted.put(name, payload)
-            statistics.update(layer.statistics)
-            errors.update(layer.errors)
-            progress.advance(task)
-            del layer  # on disk now: not held while the next layer is fitted
+        with Behind(1 if overlap_workers() else 0) as behind:
+            for layer in layers:
+                behind.submit(functools.partial(_put_all, fitted, layer.tensors))
+                statistics.update(layer.statistics)
+                errors.update(layer.errors)
+                progress.advance(task)
+                del layer  # on disk (with a GPU, being written) now: not held once the next layer is fitted
     finally:
         progress.remove_task(task)
     return statistics, errors
+
+
+def _put_all(fitted: VariantWeights, tensors: dict[str, TensorPayload]) -> None:
+    for name, payload in tensors.items():
+        fitted.put(name, payload)
 
 
 def activation_modules(ckpt: HFCheckpoint, variant: Variant) -> list[str]:

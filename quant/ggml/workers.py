@@ -38,10 +38,14 @@ def by_row_blocks(
     if parts == 1:
         return encoder(rows, imatrix)
     bounds = np.linspace(0, rows.shape[0], parts + 1).astype(int)
-    pool = _worker_pool()
+    with _POOL_LOCK:  # tensors are encoded in several threads at once ahead of a GPU build's writers: one pool
+        pool = _worker_pool()
     futures = [pool.submit(encoder, rows[bounds[i] : bounds[i + 1]], imatrix) for i in range(1, parts)]
     head = encoder(rows[: bounds[1]], imatrix)
     return np.concatenate([head, *(f.result() for f in futures)])
+
+
+_POOL_LOCK = threading.Lock()
 
 
 @functools.cache

@@ -22,7 +22,7 @@ from pydantic import BaseModel
 
 from core.errors import InputError
 from core.file_types import imatrix_required_by, tensor_types
-from core.tensors import LayerResult, TensorPayload
+from core.tensors import LayerResult, TensorPayload, all_finite
 from formats.gguf import architecture_of, gguf_name, gguf_order
 from formats.hf import HFCheckpoint
 from formats.registry import FORMATS
@@ -119,16 +119,10 @@ def chosen_modules(ckpt: HFCheckpoint, weights) -> list[str]:
 
 def finite(ckpt: HFCheckpoint, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as it is; the quantizers refuse NaN and Inf themselves (naming the tensor), so
-    only tensors passed through need this scan, a slice of rows at a time (the scan of an 8B
-    embedding whole is a 525 MB mask)."""
-    rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 1 else tensor.reshape(1, -1)
-    step = max(1, _SCAN_SLICE // max(1, rows.shape[1]))
-    if not all(torch.isfinite(rows[i : i + step]).all() for i in range(0, rows.shape[0], step)):
+    only tensors passed through need this scan (``all_finite``: no mask of an 8B embedding, 525 MB)."""
+    if not all_finite(tensor):
         raise InputError(f"{ckpt.path}: tensor '{name}' contains NaN or Inf")
     return tensor
-
-
-_SCAN_SLICE = 2**24  # values ``finite`` checks at a time
 
 
 def grid_plan(ckpt: HFCheckpoint, variant) -> Plan:

@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from calib.streaming import to_cpu
+from core.device import working_device
 from core.schemes import QuantSpec
 from quant.outliers import OutlierRule, mixed_precision_model
 from quant.rtn import quantize_rtn
@@ -65,8 +67,8 @@ class RTN(WeightMethod):
         return mixed_precision_model(ckpt, windows, w.spec, w.outliers.rule, chosen_modules(ckpt, w))
 
     def quantize(self, ckpt, variant, plan, name, tensor, imatrix):
-        if name in plan.quantized:
-            return quantize_rtn(tensor, variant.weights.spec, name)
+        if name in plan.quantized:  # on the GPU when there is one (core/device.py), the codes back on the CPU
+            return to_cpu(quantize_rtn(tensor.to(working_device()), variant.weights.spec, name))
         return finite(ckpt, name, tensor)
 
     def layer_quantizer(self, ckpt, weights):
