@@ -82,7 +82,7 @@ def searched_plan(ckpt, variant, plan: Plan, imatrix: Imatrix | None, progress: 
     for i, name in enumerate(plan.names):
         shape = tuple(ckpt.shape(name))
         sizes[i, : len(choices[name])] = [tensor_bytes(shape, t) for t in choices[name]]
-        costs[i, : len(choices[name])] = _errors(ckpt, name, choices[name], imatrix) if len(choices[name]) > 1 else 0.0
+        costs[i, : len(choices[name])] = proxy_errors(ckpt, name, choices[name], imatrix) if len(choices[name]) > 1 else 0.0
         progress.advance(task)
     progress.remove_task(task)
     weights = sum(int(np.prod(ckpt.shape(n))) for n in plan.names)
@@ -91,7 +91,7 @@ def searched_plan(ckpt, variant, plan: Plan, imatrix: Imatrix | None, progress: 
     return Plan(plan.names, types, plan.quantized, summary=type_summary(types))
 
 
-def _errors(ckpt, name: str, types: tuple[str, ...], imatrix: Imatrix | None) -> list[float]:
+def proxy_errors(ckpt, name: str, types: tuple[str, ...], imatrix: Imatrix | None) -> list[float]:
     """Each type's proxy error for one tensor, on the per-token scale the module describes."""
     weight = ckpt.tensor(name)
     importance = imatrix.get(name) if imatrix else None
