@@ -9,18 +9,32 @@ each tensor's size in every type, so a budget that no mix can meet is refused be
 The errors of different tensors are put on one scale, the squared error a tensor adds to its
 outputs per token: a decoder Linear's is the proxy with its importance matrix; the output head,
 which llama-imatrix leaves out, counts each column once (its input is RMS-normalised); the token
-embedding is read one row per token, so its summed error is divided by its rows.
+embedding is read one row per token, so its summed error is divided by its rows. That scale
+ranks one tensor's types well and different tensors badly (docs/formats.md: bench/auto_proxy.py),
+so with ``sensitivity: kld`` (the default with calibration text) each tensor's proxies are scaled by a measured gain: the KL divergence
+that the tensor alone, in its candidate nearest 4 bits per weight, adds to the float model's
+distributions on a few calibration windows, over that type's proxy. It costs one evaluation pass
+of the model per tensor.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from pathlib import Path
+
 import numpy as np
+import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from rich.progress import Progress
 
 from core.errors import InputError
+from evalsuite.reference import ReferenceStore
+from evalsuite.streamed import streamed_scores
 from core.file_types import NEEDS_IMATRIX, fit_rows, is_embedding_or_head, is_quantizable
 from formats.gguf import gguf_name
+from formats.variant_weights import VariantWeights
+from quant.ggml import encode
 from quant.ggml.sensitivity import weighted_error
 from quant.knapsack import cheapest_picks
 from recipes.methods import Imatrix, Plan, gguf_plan
@@ -72,7 +86,8 @@ def auto_plan(ckpt, variant, has_imatrix: bool) -> Plan:
     return Plan(names, types)
 
 
-def searched_plan(ckpt, variant, plan: Plan, imatrix: Imatrix | None, progress: Progress) -> Plan:
+def searched_plan(ckpt, variant, plan: Plan, imatrix: Imatrix | None, windows: torch.Tensor | None,
+                  progress: Progress) -> Plan:
     """``plan`` with the types the knapsack picks from each tensor's measured errors."""
     choices = tensor_choices(ckpt, plan.names, variant.weights, imatrix is not None)
     width = max(len(c) for c in choices.values())
@@ -85,10 +100,38 @@ def searched_plan(ckpt, variant, plan: Plan, imatrix: Imatrix | None, progress: 
         costs[i, : len(choices[name])] = proxy_errors(ckpt, name, choices[name], imatrix) if len(choices[name]) > 1 else 0.0
         progress.advance(task)
     progress.remove_task(task)
+    if variant.weights.measures_kld:
+        if windows is None:
+            raise InputError(f"variant '{variant.name}': sensitivity kld needs calibration text (add 'calibration: {{text: ...}}')")
+        costs *= _gains(ckpt, plan.names, choices, costs, imatrix, windows[:_GAIN_WINDOWS], progress)[:, None]
     weights = sum(int(np.prod(ckpt.shape(n))) for n in plan.names)
     picks = cheapest_picks(costs, sizes, variant.weights.budget_bytes(weights))
     types = {name: choices[name][k] for name, k in zip(plan.names, picks)}
     return Plan(plan.names, types, plan.quantized, summary=type_summary(types))
+
+
+_GAIN_WINDOWS = 4  # calibration windows each gain is measured on
+
+
+def _gains(ckpt, names: list[str], choices: dict[str, tuple[str, ...]], costs: np.ndarray, imatrix: Imatrix | None,
+           windows: torch.Tensor, progress: Progress) -> np.ndarray:
+    """Each tensor's added KL divergence per unit of proxy, measured in one type (1 where it has no choice)."""
+    gains = np.ones(len(names))
+    task = progress.add_task("measure KL divergence per tensor", total=len(names))
+    with tempfile.TemporaryDirectory() as tmp:
+        streamed_scores(ckpt, windows, keep=Path(tmp) / "float")
+        reference = ReferenceStore(Path(tmp) / "float", windows)
+        for i, name in enumerate(names):
+            types = choices[name]
+            if len(types) > 1:
+                k = int(np.argmin([abs(8 * tensor_bytes(ckpt.shape(name), t) / np.prod(ckpt.shape(name)) - 4) for t in types]))
+                alone = VariantWeights(Path(tmp) / str(i), ckpt)
+                alone.put(name, encode(ckpt.tensor(name), types[k], name, imatrix.get(name) if imatrix else None))
+                gains[i] = max(streamed_scores(alone, windows, reference).kld, 1e-12) / max(costs[i, k], 1e-30)
+                shutil.rmtree(alone.folder)
+            progress.advance(task)
+    progress.remove_task(task)
+    return gains
 
 
 def proxy_errors(ckpt, name: str, types: tuple[str, ...], imatrix: Imatrix | None) -> list[float]:

@@ -90,7 +90,8 @@ def _build(ckpt: HFCheckpoint, variant: Variant, out_dir: Path, progress: Progre
            outputs: Outputs, checkpoint: Path | None) -> BuiltVariant:
     method = method_of(variant.weights)
     progress = progress or Progress(disable=True)
-    plan = method.settle(ckpt, variant, method.plan(ckpt, variant, imatrix is not None), imatrix, progress)
+    plan = method.settle(ckpt, variant, method.plan(ckpt, variant, imatrix is not None), imatrix, calibration,
+                         progress)
     statistics, errors = _fit(ckpt, variant, calibration, progress, checkpoint, fitted)
     compares = method.compares_weights and variant.activations is None
     measure = OUTPUT_ERROR if errors else WEIGHT_ERROR if compares and kept is not None else None

@@ -40,6 +40,8 @@ def _recipe(tmp_path, weights):
     ({"type": "auto", "bpw": 4, "candidates": ["Q4_K", "Q9_K"]}, "field 'variants[0](v).weights.candidates': 'Q9_K' is not a candidate"),
     ({"type": "auto", "bpw": 4, "candidates": ["IQ2_XS"]}, "field 'variants[0](v).weights.candidates': llama.cpp makes IQ2_XS only with an importance matrix"),
     ({"type": "Q4_K_M", "candidates": ["Q4_K"]}, "field 'variants[0](v).weights.candidates': candidates are for type auto"),
+    ({"type": "Q4_K_M", "sensitivity": "proxy"}, "field 'variants[0](v).weights.sensitivity': sensitivity is for type auto"),
+    ({"type": "auto", "bpw": 4, "sensitivity": "kld"}, "field 'variants[0](v).weights.sensitivity': sensitivity kld is measured on the calibration text"),
 ])
 def test_recipe_errors_name_the_field(tmp_path, weights, message):
     with pytest.raises(InputError) as e:
@@ -100,13 +102,13 @@ def tiny(tmp_path_factory):
     write_imatrix(folder / "imatrix.gguf", means, windows.numel(), ["calib.txt"], 512)
     by_gguf = read_imatrix(folder / "imatrix.gguf")
     imatrix = {n: by_gguf[gguf_name(n, ckpt.arch)] for n in ckpt.names if gguf_name(n, ckpt.arch) in by_gguf}
-    return ckpt, folder, imatrix
+    return ckpt, folder, imatrix, windows
 
 
-def _auto(tiny, name, **budget):
-    ckpt, folder, imatrix = tiny
-    variant = Variant(name=name, weights={"method": "gguf", "type": "auto", "imatrix": True} | budget, exports=["gguf"])
-    return build_variant(ckpt, variant, folder, imatrix=imatrix)
+def _auto(tiny, name, **fields):
+    ckpt, folder, imatrix, windows = tiny
+    variant = Variant(name=name, weights={"method": "gguf", "type": "auto", "imatrix": True} | fields, exports=["gguf"])
+    return build_variant(ckpt, variant, folder, imatrix=imatrix, calibration=windows)
 
 
 def _tensor_bytes(path):
@@ -118,8 +120,8 @@ def test_auto_file_keeps_its_budget_and_llama_cpp_runs_it(tiny):
     """A few candidates at 5 bits per weight: the tensor data fit the budget, the mix is a real
     mix, the tensor-type file lists every quantized tensor, and llama.cpp's loader computes
     next-token distributions close to the F32 file's from it."""
-    ckpt, folder, _ = tiny
-    built = _auto(tiny, "five", bpw=5.0, candidates=FEW)
+    ckpt, folder, _, _ = tiny
+    built = _auto(tiny, "five", bpw=5.0, candidates=FEW, sensitivity="proxy")
     path = built.files[0]
     weights = sum(int(np.prod(ckpt.shape(n))) for n in ckpt.names)
     assert _tensor_bytes(path) <= 5.0 * weights / 8
@@ -149,12 +151,12 @@ LLAMA_QUANTIZE = REPO / ".anchors" / "llama-tools" / "bin" / "llama-quantize"
 
 
 def test_llama_quantize_reproduces_the_auto_file_from_its_tensor_type_file(tiny):
-    """Every candidate type, imatrix included: ``llama-quantize --imatrix --tensor-type-file`` on our
+    """Every candidate type, the gains measured (the default): ``llama-quantize --imatrix --tensor-type-file`` on our
     F32 file writes the same tensors, types and bytes, as our auto file."""
     quantize = LLAMA_QUANTIZE if LLAMA_QUANTIZE.is_file() else shutil.which("llama-quantize")
     if quantize is None:
         pytest.skip("llama-quantize is not built (bash bench/anchors/setup.sh llama-tools)")
-    ckpt, folder, _ = tiny
+    ckpt, folder, _, _ = tiny
     ours = _auto(tiny, "all", bpw=4.0).files[0]
     f32 = build_variant(ckpt, gguf_variant("F32"), folder, gguf_path=folder / "f32-ref.gguf").files[0]
     label = GGUFReader(ours).fields["general.file_type"]

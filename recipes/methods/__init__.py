@@ -58,10 +58,11 @@ class WeightMethod:
         """The tensors the variant writes, checked against the model's shapes; reads no data."""
         return grid_plan(ckpt, variant)
 
-    def settle(self, ckpt: HFCheckpoint, variant, plan: Plan, imatrix: Imatrix | None, progress) -> Plan:
+    def settle(self, ckpt: HFCheckpoint, variant, plan: Plan, imatrix: Imatrix | None, windows: torch.Tensor | None,
+               progress) -> Plan:
         """``plan`` with the choices made that need the weights themselves (gguf's ``type: auto``
-        measures each tensor in each candidate type), before any tensor is written; the default
-        has none to make."""
+        measures each tensor in each candidate type, on the calibration ``windows`` if asked),
+        before any tensor is written; the default has none to make."""
         return plan
 
     def fits(self, weights) -> bool:

@@ -35,6 +35,10 @@ class GGUFWeights(Strict):
     bpw: float | None = Field(default=None, gt=0, le=32)  # type auto: bits per weight of the tensor data
     size: str | None = Field(default=None, validate_default=True)  # type auto: bytes of tensor data, "4.2GB"
     candidates: list[str] | None = Field(default=None, min_length=1)  # type auto: the ggml types to choose from
+    # type auto: rank tensors by the proxy alone, or scale each tensor's proxy by the KL divergence
+    # that one type of it adds alone on the calibration text (recipes/type_search.py); by default
+    # kld where there is calibration text (imatrix: true), the proxy alone where there is none
+    sensitivity: Literal["proxy", "kld"] | None = None
 
     @field_validator("size")
     @classmethod
@@ -62,9 +66,23 @@ class GGUFWeights(Strict):
                 raise ValueError(f"llama.cpp makes {name} only with an importance matrix: add imatrix: true")
         return candidates
 
+    @field_validator("sensitivity")
+    @classmethod
+    def _kld_on_calibration_text(cls, sensitivity: str | None, info: ValidationInfo) -> str | None:
+        if sensitivity is not None and info.data.get("type") != AUTO:
+            raise ValueError("sensitivity is for type auto")
+        if sensitivity == "kld" and not info.data.get("imatrix"):
+            raise ValueError("sensitivity kld is measured on the calibration text: add imatrix: true")
+        return sensitivity
+
     @property
     def calibrated(self) -> bool:
         return self.imatrix
+
+    @property
+    def measures_kld(self) -> bool:
+        """Whether type auto scales its proxy by measured KL divergences (``sensitivity``)."""
+        return self.sensitivity == "kld" or (self.sensitivity is None and self.imatrix)
 
     def budget_bytes(self, weights: int) -> float:
         """The budget in bytes of tensor data, for a model of ``weights`` values."""
@@ -84,10 +102,10 @@ class GGUF(WeightMethod):
             return auto_plan(ckpt, variant, imatrix)
         return gguf_plan(ckpt, variant, variant.weights.type, imatrix)
 
-    def settle(self, ckpt, variant, plan, imatrix, progress) -> Plan:
+    def settle(self, ckpt, variant, plan, imatrix, windows, progress) -> Plan:
         if variant.weights.type != AUTO:
             return plan
-        return searched_plan(ckpt, variant, plan, imatrix, progress)
+        return searched_plan(ckpt, variant, plan, imatrix, windows, progress)
 
     def quantize(self, ckpt, variant, plan, name, tensor, imatrix):
         if isinstance(ckpt, GGUFCheckpoint) and ckpt.ggml_type(name) == plan.ggml_types[name]:
@@ -103,4 +121,5 @@ class GGUF(WeightMethod):
 
     def describe(self, weights) -> str:
         budget = "" if weights.type != AUTO else f" {weights.bpw:g} bpw" if weights.bpw is not None else f" {weights.size}"
-        return f"gguf {weights.type}{budget}" + (" imatrix" if weights.imatrix else "")
+        kld = " kld" if weights.type == AUTO and weights.measures_kld else ""
+        return f"gguf {weights.type}{budget}{kld}" + (" imatrix" if weights.imatrix else "")
