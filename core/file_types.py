@@ -62,6 +62,7 @@ FILE_TYPES: dict[str, FileType] = {
     )
 }
 FLOAT_TYPES = ("F32", "F16", "BF16")
+AUTO = "auto"  # a recipe's ``type: auto``: each tensor's type chosen within a budget, no fixed mixture
 
 # When a row does not split into the chosen type's blocks (newer llama.cpp's fallbacks).
 _FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_0", "IQ4_XS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ3_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ2_S": "IQ4_NL", "IQ1_S": "IQ4_NL", "IQ1_M": "IQ4_NL",
@@ -88,7 +89,7 @@ _ROLES = (
 )
 # The types llama.cpp quantizes only with an importance matrix (tensor_requires_imatrix), except in
 # the token embedding and the output head.
-_NEEDS_IMATRIX = ("IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
+NEEDS_IMATRIX = ("IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 # A mixture-of-experts router (GGUF ffn_gate_inp) stays as converted, F32: llama.cpp never quantizes it.
 _ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.gate\.weight$")
@@ -122,7 +123,7 @@ def tensor_types(file_type: str, tensors: list[tuple[str, tuple[int, ...]]], arc
             types[name] = ft.base
         else:
             chosen = _choose(ft, _role(name, has_output), _layer(name), model, shape, has_imatrix)
-            types[name] = _fit_rows(chosen, shape[-1])
+            types[name] = fit_rows(chosen, shape[-1])
     return types
 
 
@@ -259,11 +260,30 @@ def imatrix_required_by(file_type: str, types: dict[str, str]) -> str | None:
     """The first tensor (HF name) whose ggml type llama.cpp makes only with an importance matrix
     in a ``file_type`` file (``tensor_requires_imatrix``: the IQ3_XXS, IQ2 and IQ1 types, and Q2_K
     in Q2_K_S), or None: llama-quantize refuses such a file without one."""
-    needs = (*_NEEDS_IMATRIX, "Q2_K") if file_type == "Q2_K_S" else _NEEDS_IMATRIX
+    needs = (*NEEDS_IMATRIX, "Q2_K") if file_type == "Q2_K_S" else NEEDS_IMATRIX
     return next((name for name, t in types.items() if t in needs and _role(name, True) not in ("output", "token_embd")), None)
 
 
-def _fit_rows(ggml_type: str, row: int) -> str:
+def is_embedding_or_head(name: str) -> bool:
+    """Whether a tensor (HF name) is the token embedding or the output head, which llama.cpp
+    quantizes to any type without an importance matrix."""
+    return _role(name, True) in ("output", "token_embd")
+
+
+def mixed_file_type(types: dict[str, str], weights: dict[str, int]) -> str:
+    """The file type a mix of per-tensor types is labelled with (``general.file_type``, and the
+    type llama-quantize is given beside a tensor-type file): the first whose base type holds the
+    most weights; Q8_0 where that is a float type."""
+    held: dict[str, int] = {}
+    for name, ggml_type in types.items():
+        held[ggml_type] = held.get(ggml_type, 0) + weights[name]
+    quantized = {t: n for t, n in held.items() if t not in FLOAT_TYPES}
+    most = max(quantized, key=quantized.get) if quantized else "Q8_0"
+    return next((ft.name for ft in FILE_TYPES.values() if ft.base == most), "Q8_0")
+
+
+def fit_rows(ggml_type: str, row: int) -> str:
+    """``ggml_type``, or llama.cpp's fallback where a row of ``row`` values does not split into its blocks."""
     if row % block_size(ggml_type) == 0:
         return ggml_type
     fallback = _FALLBACK.get(ggml_type, "F16")

@@ -66,8 +66,9 @@ class CheckpointFormat:
         ``model`` and weights encoded for the GGUF ``file_type`` (if any)."""
         return self.name
 
-    def files(self, path: Path) -> dict[str, Path]:
-        """Every path it writes when its export goes to ``path``, by key (its name for ``path``)."""
+    def files(self, path: Path, file_type: str | None = None) -> dict[str, Path]:
+        """Every path it writes when its export goes to ``path``, by key (its name for ``path``),
+        for weights encoded for the GGUF ``file_type`` (if any)."""
         return {self.name: path}
 
     def open(self, outputs: Outputs, paths: dict[str, Path], contents: ExportContents) -> Writer:

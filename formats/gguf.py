@@ -17,7 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
 
 from core.architecture import GGUF_ARCHITECTURES, SLIDING_PATTERN, Architecture, Rope
 from core.errors import InputError
-from core.file_types import FILE_TYPES
+from core.file_types import AUTO, FILE_TYPES, is_quantizable, mixed_file_type
 from core.rope import llama3_bands, to_pairs_side_by_side
 from core.tensors import GGMLTensor, StoredGGMLTensor
 from formats.architecture import llama_cpp_windows
@@ -173,21 +173,49 @@ class GGUFFormat(CheckpointFormat):
     def file_name(self, model: str, file_type: str | None) -> str:
         return f"{model}-{file_type}.gguf"
 
-    def files(self, path: Path) -> dict[str, Path]:
-        return {self.name: path, "modelfile": path.with_name(modelfile_name(path.name))}
+    def files(self, path: Path, file_type: str | None = None) -> dict[str, Path]:
+        files = {self.name: path, "modelfile": path.with_name(modelfile_name(path.name))}
+        if file_type == AUTO:  # a mix no file type names: llama-quantize's recipe for it beside
+            files["tensor_types"] = path.with_name(path.stem + ".tensor-types.txt")
+        return files
 
     def open(self, outputs: Outputs, paths: dict[str, Path], contents: ExportContents) -> GGUFFileWriter:
         writer = self.writer(outputs.stage(paths[self.name]), contents)
         write_modelfile(outputs.stage(paths["modelfile"]), paths[self.name].name, contents.source)
+        if "tensor_types" in paths:
+            outputs.stage(paths["tensor_types"]).write_text(tensor_type_file(contents))
         return writer
 
     def writer(self, dest: Path, contents: ExportContents) -> GGUFFileWriter:
-        source = contents.source
-        plan = [(n, source.shape(n), contents.ggml_types[n]) for n in contents.names]
-        return GGUFFileWriter(dest, source, FILE_TYPES[contents.file_type].id, plan)
+        return GGUFFileWriter(dest, contents.source, FILE_TYPES[file_type_of(contents)].id, _typed(contents))
 
 
 FORMAT = GGUFFormat()
+
+
+def file_type_of(contents: ExportContents) -> str:
+    """The file type a GGUF file is labelled with: the variant's, or for ``type: auto`` the one
+    its mix is closest to (core/file_types.py: ``mixed_file_type``)."""
+    if contents.file_type != AUTO:
+        return contents.file_type
+    source = contents.source
+    return mixed_file_type(contents.ggml_types, {n: int(np.prod(source.shape(n))) for n in contents.names})
+
+
+def tensor_type_file(contents: ExportContents) -> str:
+    """llama-quantize's ``--tensor-type-file`` for the file's mix: one ``pattern=TYPE`` a line for
+    every tensor it quantizes, the pattern the tensor's GGUF name anchored (llama.cpp matches each
+    pattern with ``std::regex_search``, so an unanchored ``blk.1.`` would also match ``blk.11.``).
+    ``llama-quantize --imatrix M --tensor-type-file F model-F32.gguf out.gguf TYPE``, TYPE the
+    file's label, then writes the same tensors, byte for byte."""
+    source = contents.source
+    lines = [f"^{re.escape(gguf_name(n, source.arch))}$={contents.ggml_types[n]}"
+             for n in contents.names if is_quantizable(n, tuple(source.shape(n)))]
+    return "".join(line + "\n" for line in lines)
+
+
+def _typed(contents: ExportContents) -> list[tuple[str, tuple[int, ...], str]]:
+    return [(n, contents.source.shape(n), contents.ggml_types[n]) for n in contents.names]
 
 
 def _nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:

@@ -216,7 +216,7 @@ def run_variant(job: VariantJob, variant: Variant, key: str, opened: Opened, pro
         outputs.commit()
     shutil.rmtree(checkpoint, ignore_errors=True)
     row = VariantRow(
-        variant.name, _describe(variant), bits, _size_mb(ckpt, bits), scores,
+        variant.name, _describe(variant) + (f" ({built.types_chosen})" if built.types_chosen else ""), bits, _size_mb(ckpt, bits), scores,
         ppl_delta=scores.ppl - job.original_ppl, seconds=time.perf_counter() - start,
         files=[_file_entry(f, out_dir) for f in files], input_statistics=built.input_statistics, tasks=answers,
         linear_errors=built.linear_errors, error_measure=built.error_measure,

@@ -46,6 +46,7 @@ class BuiltVariant:
     # that was measured; empty where the weights were kept
     linear_errors: dict[str, float] = field(default_factory=dict)
     error_measure: str | None = None
+    types_chosen: str = ""  # the per-tensor types a search chose (gguf's type: auto), summed up
 
 
 def plan_variant(ckpt: HFCheckpoint, variant: Variant, imatrix: bool = False) -> Plan:
@@ -92,8 +93,9 @@ def _build(ckpt: HFCheckpoint, variant: Variant, out_dir: Path, progress: Progre
            kept: VariantWeights | None, fitted: VariantWeights, gguf_path: Path | None, calibration: torch.Tensor | None,
            outputs: Outputs, checkpoint: Path | None) -> BuiltVariant:
     method = method_of(variant.weights)
-    plan = method.plan(ckpt, variant, imatrix is not None)
     progress = progress or Progress(disable=True)
+    plan = method.settle(ckpt, variant, method.plan(ckpt, variant, imatrix is not None), imatrix, calibration,
+                         progress)
     statistics, errors = _fit(ckpt, variant, calibration, progress, checkpoint, fitted)
     compares = method.compares_weights and variant.activations is None
     measure = OUTPUT_ERROR if errors else WEIGHT_ERROR if compares and kept is not None else None
@@ -141,7 +143,7 @@ def _build(ckpt: HFCheckpoint, variant: Variant, out_dir: Path, progress: Progre
     finally:
         progress.remove_task(task)
     return BuiltVariant(kept, [p for key, p in files.items() if key in FORMATS], bits / params, statistics,
-                        errors, measure if errors else None)
+                        errors, measure if errors else None, plan.summary)
 
 
 def export_contents(ckpt: HFCheckpoint, variant: Variant, plan: Plan) -> ExportContents:
@@ -164,7 +166,7 @@ def export_paths(ckpt: HFCheckpoint, variant: Variant, out_dir: Path, gguf_path:
     paths: dict[str, Path] = {}
     for fmt in in_writing_order(variant.exports):
         at = gguf_path if gguf_path is not None and not fmt.folder else vdir / fmt.file_name(model_name(ckpt.path), file_type)
-        paths |= fmt.files(at)
+        paths |= fmt.files(at, file_type)
     return paths
 
 

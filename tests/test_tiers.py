@@ -25,6 +25,7 @@ SUBSYSTEMS = {
     "a Hugging Face id from a cache the test writes": ("test_hub", "test_a_missing_id_offline_is_one_line_naming_it_and_the_cache"),
     "the packages' import floors": ("test_import_order", "test_packages_import_only_lower_floors"),
     "the export formats' and weight methods' registries": ("test_registries", "test_the_recipe_exports_are_the_registered_formats"),
+    "a type: auto GGUF file within its budget, run by llama.cpp": ("test_auto_mix", "test_auto_file_keeps_its_budget_and_llama_cpp_runs_it"),
     "a tokenizer.json SentencePiece BPE as GGUF pieces": ("test_gguf_architectures", "test_tokenizer_json_pieces_are_scored_by_merge_and_typed"),
 }
 

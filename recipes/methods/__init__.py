@@ -39,6 +39,7 @@ class Plan:
     names: list[str]
     ggml_types: dict[str, str] = field(default_factory=dict)
     quantized: set[str] = field(default_factory=set)  # grid methods: the weights they quantize
+    summary: str = ""  # what a search chose (gguf's type: auto: "Q4_K: 28 tensors, Q5_K: 7"), for the report
 
 
 class WeightMethod:
@@ -56,6 +57,13 @@ class WeightMethod:
     def plan(self, ckpt: HFCheckpoint, variant, imatrix: bool) -> Plan:
         """The tensors the variant writes, checked against the model's shapes; reads no data."""
         return grid_plan(ckpt, variant)
+
+    def settle(self, ckpt: HFCheckpoint, variant, plan: Plan, imatrix: Imatrix | None, windows: torch.Tensor | None,
+               progress) -> Plan:
+        """``plan`` with the choices made that need the weights themselves (gguf's ``type: auto``
+        measures each tensor in each candidate type, on the calibration ``windows`` if asked),
+        before any tensor is written; the default has none to make."""
+        return plan
 
     def fits(self, weights) -> bool:
         """Whether these weights are fitted layer by layer on calibration text (``fit``)."""
