@@ -84,7 +84,7 @@ class Int8Linear(Linear):
         self.offset = None if not offset.any() else offset.to(dtype=wide, device=device)
         self.bias = None if bias is None else bias.to(wide)
         if DIGIT_KERNEL:
-            self.packed = _fbgemm_pack(codes, scales)
+            self.packed, self._buffers = _fbgemm_pack(codes, scales), {}
             # what the digits' offset adds to each output: 2^(7 digits - 1) · scale · sum of the row's codes
             self.digit_offset = ((2.0 ** (7 * self.digits - 1)) * scales.double() * codes.sum(1, dtype=torch.int64).double()).to(wide)
         else:
@@ -105,14 +105,13 @@ class Int8Linear(Linear):
         rows, n_in, top = x.shape[0], x.shape[1], 2.0 ** (7 * self.digits - 1)
         wide = torch.float64 if self.digits > 2 else torch.float32  # exact for u's 28 (14) bits
         xf = x.to(wide)
-        scale = xf.abs().amax(1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(top - 1)
+        scale = torch.linalg.vector_norm(xf, float("inf"), 1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(top - 1)
         u = torch.div(xf, scale).round_().add_(top)  # 1 .. 2^b - 1
-        digits = torch.empty(self.digits, rows, n_in + 1)  # float32: digits below 256 are exact
-        digits[..., n_in] = 255  # an input of weight zero: fbgemm's 8-bit grid is then the integers
-        for j in range(self.digits - 1):  # the lower digits, then what is left is the top one
-            low = torch.remainder(u, 128)
-            digits[j, :, :n_in] = low
-            u = u.sub_(low).div_(128)
+        digits = self._digit_rows(rows, n_in)
+        for j in range(self.digits - 1):  # the lower digits, each written in place; what is left is the top one
+            high = torch.div(u, 128, rounding_mode="floor")
+            torch.sub(u, high, alpha=128, out=digits[j, :, :n_in])
+            u = high
         digits[-1, :, :n_in] = u
         out = torch.ops.quantized.linear_dynamic(digits.view(-1, n_in + 1), self.packed, False).view(self.digits, rows, -1)
         y = out[-1].to(wide)
@@ -122,6 +121,18 @@ class Int8Linear(Linear):
         if self.offset is not None:
             y = y.addcmul_(xf.sum(-1, keepdim=True), self.offset)
         return (y if self.bias is None else y.add_(self.bias)).to(self.dtype)
+
+
+    def _digit_rows(self, rows: int, n_in: int) -> torch.Tensor:
+        """The float32 buffer of ``rows`` inputs' digit rows (digits below 256 are exact), kept per
+        row count: its last column, of weight zero, holds 255, so fbgemm's 8-bit grid is the integers."""
+        buffers = self._buffers
+        if rows not in buffers:
+            if len(buffers) > 8:  # a few batch sizes recur; prefill chunks' come and go
+                buffers.clear()
+            buffers[rows] = torch.empty(self.digits, rows, n_in + 1)
+            buffers[rows][..., n_in] = 255
+        return buffers[rows]
 
 
 def _fbgemm_pack(codes: torch.Tensor, scales: torch.Tensor):
