@@ -37,6 +37,16 @@ fresh_venv() {
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
 }
 
+# vendored_llama_cpp: a fresh "venv" holding the llama.cpp that llama-cpp-python's sdist vendors
+# (the version the interop tests load our files with); prints its source folder.
+vendored_llama_cpp() {
+    rm -rf "$VENV"
+    mkdir -p "$VENV/src" "$VENV/bin"
+    "$PY" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==0.3.36" -d "$VENV/src" >&2
+    tar xzf "$VENV"/src/llama_cpp_python-*.tar.gz -C "$VENV/src"
+    echo "$VENV"/src/llama_cpp_python-*/vendor/llama.cpp
+}
+
 # pip_install ARGS...: install into the anchor venv.
 pip_install() {
     "$VENV/bin/python" -m pip install --disable-pip-version-check "$@"
@@ -144,11 +154,7 @@ from vllm import LLM, SamplingParams'
             echo "anchor llama-server: $BIN already built"
             exit 0
         fi
-        rm -rf "$VENV"
-        mkdir -p "$VENV/src" "$VENV/bin"
-        "$PY" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==0.3.36" -d "$VENV/src"
-        tar xzf "$VENV"/src/llama_cpp_python-*.tar.gz -C "$VENV/src"
-        SRC=$(echo "$VENV"/src/llama_cpp_python-*/vendor/llama.cpp)
+        SRC=$(vendored_llama_cpp)
         cmake -S "$SRC" -B "$VENV/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
             -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >/dev/null
         cmake --build "$VENV/build" --target llama-server -j "$(nproc)" >/dev/null
@@ -168,11 +174,7 @@ from vllm import LLM, SamplingParams'
             echo "anchor llama-tools: $VENV/bin already built"
             exit 0
         fi
-        rm -rf "$VENV"
-        mkdir -p "$VENV/src" "$VENV/bin"
-        "$PY" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==0.3.36" -d "$VENV/src"
-        tar xzf "$VENV"/src/llama_cpp_python-*.tar.gz -C "$VENV/src"
-        SRC=$(echo "$VENV"/src/llama_cpp_python-*/vendor/llama.cpp)
+        SRC=$(vendored_llama_cpp)
         cmake -S "$SRC" -B "$VENV/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
             -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
         # shellcheck disable=SC2086
