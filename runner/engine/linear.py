@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from core.tensors import QuantizedTensor, TensorPayload
 
 INT4_GROUPS = (32, 64, 128, 256)
+# fbgemm's integer kernels (Int8Linear's digit rows): on x86 CPU builds of torch (ARM's qnnpack takes other inputs)
+DIGIT_KERNEL = torch.backends.quantized.engine in ("x86", "fbgemm")
 
 
 class Linear:
@@ -79,14 +81,15 @@ class Int8Linear(Linear):
         offset = (128 - q.zeros[:, 0]) * scales  # zero at the mid-level for symmetric weights: no offset
         self.dtype = dtype
         self.digits = 4 if dtype == torch.float32 else 2  # 28 or 14 bits: finer than the input's own mantissa
-        # the digits' sums are taken in float64 for 28 bits, float32 for 14; int8pack's in the activations' dtype
-        wide = (torch.float64 if self.digits > 2 else torch.float32) if DIGIT_KERNEL else dtype
-        self.offset = None if not offset.any() else offset.to(dtype=wide, device=device)
-        self.bias = None if bias is None else bias.to(wide)
+        self.top = 2.0 ** (7 * self.digits - 1)  # the digits' offset: u = x / s + top is never negative
+        # the digits' sums are taken in float64 for 28 bits (exact), float32 for 14; int8pack's in the activations' dtype
+        self.wide = (torch.float64 if self.digits > 2 else torch.float32) if DIGIT_KERNEL else dtype
+        self.offset = None if not offset.any() else offset.to(dtype=self.wide, device=device)
+        self.bias = None if bias is None else bias.to(self.wide)
         if DIGIT_KERNEL:
             self.packed, self._buffers = _fbgemm_pack(codes, scales), {}
-            # what the digits' offset adds to each output: 2^(7 digits - 1) · scale · sum of the row's codes
-            self.digit_offset = ((2.0 ** (7 * self.digits - 1)) * scales.double() * codes.sum(1, dtype=torch.int64).double()).to(wide)
+            # what the digits' offset adds to each output: top · scale · sum of the row's codes
+            self.digit_offset = (self.top * scales.double() * codes.sum(1, dtype=torch.int64).double()).to(self.wide)
         else:
             self.codes, self.scales = codes.to(device), scales.to(dtype=dtype, device=device)
 
@@ -102,8 +105,7 @@ class Int8Linear(Linear):
         """``x @ (codes · scale)ᵀ`` (with the zero-point's offset and the bias) from one fbgemm call
         on the digit rows of ``x``: row ``r`` is ``s_r · (u - 2^(b-1))``, ``u`` an integer of
         ``b = 7 · digits`` bits, ``u = Σ_j 128^j d_j``; one rounding to the activations' dtype, at the end."""
-        rows, n_in, top = x.shape[0], x.shape[1], 2.0 ** (7 * self.digits - 1)
-        wide = torch.float64 if self.digits > 2 else torch.float32  # exact for u's 28 (14) bits
+        rows, n_in, top, wide = x.shape[0], x.shape[1], self.top, self.wide
         xf = x.to(wide)
         scale = torch.linalg.vector_norm(xf, float("inf"), 1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(top - 1)
         u = torch.div(xf, scale).round_().add_(top)  # 1 .. 2^b - 1
@@ -121,7 +123,6 @@ class Int8Linear(Linear):
         if self.offset is not None:
             y = y.addcmul_(xf.sum(-1, keepdim=True), self.offset)
         return (y if self.bias is None else y.add_(self.bias)).to(self.dtype)
-
 
     def _digit_rows(self, rows: int, n_in: int) -> torch.Tensor:
         """The float32 buffer of ``rows`` inputs' digit rows (digits below 256 are exact), kept per
@@ -142,10 +143,6 @@ def _fbgemm_pack(codes: torch.Tensor, scales: torch.Tensor):
         warnings.simplefilter("ignore")
         weight = torch._make_per_channel_quantized_tensor(padded, scales.double(), torch.zeros(len(scales), dtype=torch.long), 0)
         return torch.ops.quantized.linear_prepack(weight, None)
-
-
-# fbgemm's integer kernels: on x86 CPU builds of torch (ARM's qnnpack takes other inputs)
-DIGIT_KERNEL = torch.backends.quantized.engine in ("x86", "fbgemm")
 
 
 class Int4Linear(Linear):
