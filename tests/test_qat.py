@@ -43,8 +43,10 @@ def test_training_brings_the_layers_closer_to_the_original_than_their_starting_g
     losses: dict[str, list[float]] = {}
     layers = list(qat_model(ckpt, calib, SPEC, QATSettings(steps=30, batch=2),
                             on_step=lambda layer, step, steps, loss: losses.setdefault(layer, []).append(loss)))
-    assert len(layers) == 6 and all(len(v) == 30 for v in losses.values())
-    for trace in losses.values():  # each layer's loss falls
+    training = {phase: trace for phase, trace in losses.items() if not phase.endswith("held out")}
+    assert len(layers) == 6 and len(training) == 6 and all(len(v) == 30 for v in training.values())
+    assert all(len(losses[f"{phase} held out"]) == 4 for phase in training)  # the start, and every 10 steps
+    for trace in training.values():  # each layer's loss falls
         assert sum(trace[-5:]) < sum(trace[:5])
     trained = {n: p for layer in layers for n, p in layer.tensors.items()}
     quantized = [p for p in trained.values() if isinstance(p, QuantizedTensor)]
@@ -80,6 +82,40 @@ def test_the_end_to_end_phase_brings_the_output_distribution_closer_to_the_origi
     assert kld(after) < 0.97 * kld(before)
 
 
+@pytest.mark.parametrize("lr", [0.02, 0.05])
+def test_training_made_to_overfit_keeps_its_best_grid_on_the_held_out_windows(tiny, lr):
+    """Few windows and many steps: at a rate of 0.02 the training loss falls far below the loss on
+    the held-out windows, which turns up; at 0.05 (too large) the held-out loss is above the
+    starting grid's at the first look. The layer keeps the grid of the best look, the starting
+    grid where none was better, and training stops at the first look worse than the starting grid."""
+    from calib.layerwise import run_layer
+    from calib.streaming import skeleton, walk_layers
+    from quant.qat import _split, qat_layer
+
+    ckpt, _, calib, _ = tiny
+    windows = calib[:4, :64]  # 192 positions to train a layer's 200K weights on
+    settings = QATSettings(steps=200, lr=lr, holdout=0.25, check_every=5)
+    trained, held = [], []
+    step = next(iter(walk_layers(ckpt, skeleton(ckpt), windows)))
+    targets = run_layer(step.layer, step.inputs)  # the float layer's outputs
+    qat_layer(step, SPEC, settings, on_step=lambda i, loss: trained.append(loss),
+              on_held=lambda done, loss: held.append((done, loss)))
+    start = held[0][1]
+    best = min(range(len(held)), key=lambda i: held[i][1])
+    assert [done for done, _ in held] == list(range(0, len(trained) + 1, 5))  # a look every 5 steps
+    if lr == 0.02:
+        assert min(trained[-5:]) < 0.5 * held[best][1]  # memorising the windows it trains on
+        assert 0 < best < len(held) - 1 and held[best][1] < start and held[-1][1] > held[best][1]
+    else:
+        assert len(trained) == 5 and held[1][1] > start and best == 0  # stopped, the starting grid kept
+    if len(trained) < settings.steps:
+        assert held[-1][1] >= start and all(loss < start for _, loss in held[1:-1])
+    # the layer computes with the kept grid: its loss on the held-out windows is the best look's
+    _, held_out = _split(len(windows), settings.holdout, torch.Generator().manual_seed(settings.seed))
+    mse = torch.nn.functional.mse_loss(run_layer(step.layer, step.inputs)[held_out], targets[held_out]).item()
+    assert mse == pytest.approx(held[best][1], rel=0.03)
+
+
 class _Stop(Exception):
     pass
 
@@ -92,6 +128,8 @@ def test_a_stopped_training_takes_up_from_its_last_layer_and_step_to_the_same_we
         seen = []
 
         def on_step(phase, step, steps, loss):
+            if phase.endswith("held out"):
+                return
             seen.append((phase, step))
             if (phase, step) == stop:
                 raise _Stop

@@ -30,7 +30,8 @@ QAT_FILE_TYPES = {"Q4_0": "4 bits, symmetric, blocks of 32", "Q4_K_S": "Q4_K: su
 class QATWeights(Targeted):
     """Quantization-aware training of the decoder layers' Linear weights on the calibration text:
     each layer trained to reproduce the float layer's outputs through the grid its exports store,
-    starting from round-to-nearest's or GPTQ's grid, then (``e2e_steps``) the scales and norms of
+    starting from round-to-nearest's or GPTQ's grid and guided by a ``holdout`` share of the windows
+    it does not train on (the grid best there is kept, and a layer stops once it stops improving), then (``e2e_steps``) the scales and norms of
     the whole model against the original's next-token distribution (quant/qat.py). The grid is
     integer (``bits``, ``symmetric``, ``group_size``), or a GGUF file type's (``gguf``): Q4_0
     (blocks of 32, symmetric 4-bit) or the Q4_K tensors of Q4_K_S and Q4_K_M (super-blocks of
@@ -48,6 +49,7 @@ class QATWeights(Targeted):
     batch: int = Field(default=2, ge=1)  # calibration windows per micro-batch
     accumulate: int = Field(default=1, ge=1, le=1024)  # micro-batches per optimizer step
     learn_scales: bool = True
+    holdout: float = Field(default=0.125, ge=0, lt=1)  # share of the calibration windows that guides training
     e2e_steps: int = Field(default=E2E_STEPS, ge=0, le=1_000_000)  # end to end, after the layers (0: none)
     e2e_lr: float = Field(default=1e-3, gt=0, le=1)  # relative to each scale, per optimizer step
     calibrated: ClassVar[bool] = True
@@ -86,7 +88,8 @@ class QATWeights(Targeted):
     @property
     def settings(self) -> QATSettings:
         return QATSettings(steps=self.steps, lr=self.lr, batch=self.batch, accumulate=self.accumulate,
-                           learn_scales=self.learn_scales, init=self.init, e2e_steps=self.e2e_steps, e2e_lr=self.e2e_lr)
+                           learn_scales=self.learn_scales, init=self.init, holdout=self.holdout,
+                           e2e_steps=self.e2e_steps, e2e_lr=self.e2e_lr)
 
 
 @register("qat")
