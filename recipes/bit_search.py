@@ -73,7 +73,8 @@ def smallest_grids(ckpt, variant, modules: list[str]) -> dict[str, QuantSpec]:
     return specs
 
 
-def searched_grids(ckpt, variant, modules: list[str], imatrix: dict[str, np.ndarray] | None, progress: Progress) -> dict[str, QuantSpec]:
+def searched_grids(ckpt, variant, modules: list[str], imatrix: dict[str, np.ndarray] | None,
+                   progress: Progress) -> dict[str, QuantSpec]:
     """Each weight of the Linear ``modules`` on the grid the knapsack picks from the importance-weighted
     rounding errors."""
     items = grid_items(modules)
@@ -84,8 +85,10 @@ def searched_grids(ckpt, variant, modules: list[str], imatrix: dict[str, np.ndar
     task = progress.add_task(f"{variant.name}: measure grids", total=len(items))
     for i, (weights, grids) in enumerate(zip(items.values(), choices)):
         sizes[i, : len(grids)] = [sum(grid_bits(s, ckpt.shape(n)) for n in weights) for s in grids]
-        costs[i, : len(grids)] = [sum(rounding_error(ckpt.tensor(n), s, imatrix.get(n) if imatrix else None, n)
-                                      for n in weights) for s in grids]
+        costs[i, : len(grids)] = 0.0
+        for n in weights:  # each weight read once, rounded on every grid
+            weight, importance = ckpt.tensor(n).float(), imatrix.get(n) if imatrix else None
+            costs[i, : len(grids)] += [rounding_error(weight, s, importance, n) for s in grids]
         progress.advance(task)
     progress.remove_task(task)
     count = sum(int(np.prod(ckpt.shape(n))) for weights in items.values() for n in weights)
@@ -95,7 +98,7 @@ def searched_grids(ckpt, variant, modules: list[str], imatrix: dict[str, np.ndar
 
 def rounding_error(weight: torch.Tensor, spec: QuantSpec, importance: np.ndarray | None, name: str) -> float:
     """The importance-weighted squared error of ``weight`` rounded to nearest on ``spec``'s grid."""
-    return weighted_rounding_error(weight, quantize_rtn(weight.float(), spec, name).dequantize(), importance)
+    return weighted_rounding_error(weight, quantize_rtn(weight, spec, name).dequantize(), importance)
 
 
 def grid_label(weights) -> str:

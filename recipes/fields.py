@@ -84,8 +84,7 @@ class GridWeights(Targeted):
         if not self.searches_bits:
             return [self.spec]
         named = [GRIDS[name] for name in self.candidates or VLLM_CPU_GRIDS]
-        specs = {QuantSpec(b, self.symmetric, "channel" if g is None else "group", g, self.range, self.format,
-                           99.9 if self.percentile is None else self.percentile) for b, g in named}
+        specs = {self._grid(b, "channel" if g is None else "group", g) for b, g in named}
         return sorted(specs, key=lambda s: (s.bits, -(s.group_size or 1 << 30)))
 
     @property
@@ -112,7 +111,8 @@ class GridWeights(Targeted):
     def _spec(self, granularity: str, group_size: int | None) -> QuantSpec:
         """The weights' grid; with ``bits: auto`` the narrowest candidate, which each Linear has until the
         search (recipes/bit_search.py) gives it its own."""
-        if self.searches_bits:
-            return self.grids[0]
+        return self.grids[0] if self.searches_bits else self._grid(self.bits, granularity, group_size)
+
+    def _grid(self, bits: int, granularity: str, group_size: int | None) -> QuantSpec:
         percentile = 99.9 if self.percentile is None else self.percentile
-        return QuantSpec(self.bits, self.symmetric, granularity, group_size, self.range, self.format, percentile)
+        return QuantSpec(bits, self.symmetric, granularity, group_size, self.range, self.format, percentile)
