@@ -7,7 +7,10 @@ the calibration text (quant/error.py): the mean squared input per column is the 
 so the weighted error is, to first order, the squared error the Linear adds to its outputs per
 token, one scale for every Linear and grid. GPTQ's own error on a grid is smaller than rounding's
 but unknown until its pass has run, and its pass on every candidate would cost one GPTQ per grid:
-rounding ranks the grids of one Linear the same way at a fraction of that. The multiple-choice
+rounding ranks the grids of one Linear the same way at a fraction of that. That proxy ranks one
+Linear's grids well and different Linears' badly, so by default (``sensitivity: kld``) each item's
+errors are scaled by the KL divergence it adds alone on its smallest grid over that grid's proxy
+(recipes/kld_gains.py), as ``type: auto`` does. The multiple-choice
 knapsack (quant/knapsack.py) then picks one grid per item with the least summed error whose bits,
 counted as the exports store them (codes, fp16 scales, zero-points when asymmetric: the report's
 bits per weight), fit the budget. An item is a set of Linears vLLM runs as one product (q, k and v;
@@ -24,10 +27,12 @@ from rich.progress import Progress
 
 from core.errors import InputError
 from core.schemes import QuantSpec
+from core.tensors import QuantizedTensor
 from formats.quantized_folder import fused_name
 from quant.error import weighted_rounding_error
 from quant.knapsack import cheapest_picks
 from quant.rtn import quantize_rtn
+from recipes.kld_gains import kld_gains
 
 
 def grid_bits(spec: QuantSpec, shape: tuple[int, int]) -> float:
@@ -74,9 +79,10 @@ def smallest_grids(ckpt, variant, modules: list[str]) -> dict[str, QuantSpec]:
 
 
 def searched_grids(ckpt, variant, modules: list[str], imatrix: dict[str, np.ndarray] | None,
-                   progress: Progress) -> dict[str, QuantSpec]:
+                   windows: torch.Tensor | None, progress: Progress) -> dict[str, QuantSpec]:
     """Each weight of the Linear ``modules`` on the grid the knapsack picks from the importance-weighted
-    rounding errors."""
+    rounding errors, each item's scaled by its measured KL divergence gain on the calibration
+    ``windows`` unless the weights say ``sensitivity: proxy``."""
     items = grid_items(modules)
     choices = [item_grids(ckpt, variant, weights) for weights in items.values()]
     width = max(len(c) for c in choices)
@@ -91,6 +97,15 @@ def searched_grids(ckpt, variant, modules: list[str], imatrix: dict[str, np.ndar
             costs[i, : len(grids)] += [rounding_error(weight, s, importance, n) for s in grids]
         progress.advance(task)
     progress.remove_task(task)
+    if variant.weights.measures_kld:
+        if windows is None:
+            raise InputError(f"variant '{variant.name}': sensitivity kld needs calibration text (add 'calibration: {{text: ...}}')")
+        members = list(items.values())
+        proxies = [costs[i, 0] if len(grids) > 1 else None for i, grids in enumerate(choices)]
+
+        def alone(i: int) -> dict[str, QuantizedTensor]:  # the item on its smallest grid
+            return {n: quantize_rtn(ckpt.tensor(n), choices[i][0], n) for n in members[i]}
+        costs *= kld_gains(ckpt, proxies, alone, windows, progress)[:, None]
     count = sum(int(np.prod(ckpt.shape(n))) for weights in items.values() for n in weights)
     picks = cheapest_picks(costs, sizes, variant.weights.bpw * count)
     return {n: grids[k] for weights, grids, k in zip(items.values(), choices, picks) for n in weights}

@@ -43,6 +43,9 @@ class GridWeights(Targeted):
     bits: Annotated[int, Field(ge=2, le=8)] | Literal["auto"] | None = Field(default=None, validate_default=True)
     bpw: float | None = Field(default=None, gt=0, le=16)  # bits auto: bits per quantized weight, scales included
     candidates: list[Literal[tuple(GRIDS)]] | None = Field(default=None, min_length=1)  # type: ignore[valid-type]
+    # bits auto: rank grids by the proxy alone, or scale each Linear's proxies by the KL divergence it adds
+    # alone on the calibration text (recipes/bit_search.py, the default)
+    sensitivity: Literal["proxy", "kld"] | None = None
     symmetric: bool = True
     range: Literal["minmax", "mse", "percentile"] = "minmax"
     percentile: float | None = Field(default=None, gt=50, le=100)  # with range 'percentile'; default 99.9
@@ -69,14 +72,19 @@ class GridWeights(Targeted):
             chosen = {"group_size", "granularity"} & self.model_fields_set
             if chosen:
                 raise ValueError(f"bits auto chooses each Linear's grid among candidates: leave out {', '.join(sorted(chosen))}")
-        elif self.bpw is not None or self.candidates is not None:
-            raise ValueError("bpw and candidates are for bits auto")
+        elif self.bpw is not None or self.candidates is not None or self.sensitivity is not None:
+            raise ValueError("bpw, candidates and sensitivity are for bits auto")
         return self
 
     @property
     def searches_bits(self) -> bool:
         """Whether each Linear's grid is chosen within the ``bpw`` budget (``bits: auto``)."""
         return self.bits == AUTO
+
+    @property
+    def measures_kld(self) -> bool:
+        """Whether bits auto scales its proxy by measured KL divergences (``sensitivity``)."""
+        return self.searches_bits and self.sensitivity != "proxy"
 
     @property
     def grids(self) -> list[QuantSpec]:

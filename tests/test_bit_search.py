@@ -31,7 +31,7 @@ MIXED_BITS = ["int4-g128", "int8-g128"]
     ({"method": "gptq", "bits": "auto"}, [], "bits auto needs a budget: bpw"),
     ({"method": "gptq", "bits": "auto", "bpw": 4.5, "group_size": 64}, [], "leave out group_size"),
     ({"method": "rtn", "bits": "auto", "bpw": 4.5, "granularity": "group"}, [], "leave out granularity"),
-    ({"method": "gptq", "bits": 4, "bpw": 4.5}, [], "bpw and candidates are for bits auto"),
+    ({"method": "gptq", "bits": 4, "bpw": 4.5}, [], "bpw, candidates and sensitivity are for bits auto"),
     ({"method": "gptq", "bits": "auto", "bpw": 5, "candidates": ["int4-g128", "int6-g128"]}, [], "weights.candidates"),
     ({"method": "rtn", "bits": "auto", "bpw": 5, "outliers": {}}, [], "outliers (16-bit weight columns) and bits auto"),
     ({"method": "rtn", "bits": "auto", "bpw": 5}, ["awq"], "a awq export holds one grid, not the mix bits auto chooses; "
@@ -51,8 +51,11 @@ def test_bits_auto_is_weight_only(tmp_path):
         load_recipe(write_recipe(tmp_path, dict(SMALL_RECIPE, variants=[variant])))
 
 
-def _variant(bpw: float, candidates: list[str] | None = None, method: str = "rtn", exports: tuple[str, ...] = ()) -> Variant:
-    weights = {"method": method, "bits": "auto", "bpw": bpw} | ({"candidates": candidates} if candidates else {})
+def _variant(bpw: float, candidates: list[str] | None = None, method: str = "rtn", exports: tuple[str, ...] = (),
+             sensitivity: str = "proxy") -> Variant:
+    """Ranked by the proxy alone unless asked: the selection tests check the knapsack on it."""
+    weights = {"method": method, "bits": "auto", "bpw": bpw, "sensitivity": sensitivity} | (
+        {"candidates": candidates} if candidates else {})
     return Variant.model_validate({"name": f"{method}-auto", "weights": weights, "exports": list(exports)})
 
 
@@ -63,8 +66,8 @@ def tiny():
     return ckpt, model_imatrix(ckpt, windows), windows
 
 
-def _searched(ckpt, variant, imatrix):
-    return searched_grids(ckpt, variant, ckpt.linear_modules, imatrix, Progress(disable=True))
+def _searched(ckpt, variant, imatrix, windows=None):
+    return searched_grids(ckpt, variant, ckpt.linear_modules, imatrix, windows, Progress(disable=True))
 
 
 def _bpw(ckpt, specs) -> float:
@@ -103,6 +106,12 @@ def test_the_budget_goes_where_the_calibration_inputs_are_large(tiny):
 
 
 @pytest.mark.check
+def test_kld_sensitivity_needs_calibration_text(tiny):
+    with pytest.raises(InputError, match="^variant 'rtn-auto': sensitivity kld needs calibration text"):
+        _searched(tiny[0], _variant(5, MIXED_BITS, sensitivity="kld"), tiny[1])
+
+
+@pytest.mark.check
 def test_a_budget_below_the_smallest_mix_is_refused_in_one_line(tiny):
     with pytest.raises(InputError) as e:
         plan_variant(tiny[0], _variant(4.0))
@@ -129,10 +138,12 @@ def test_gptq_dynamic_regexes_match_each_linear_and_the_product_vllm_names():
 
 @pytest.fixture(scope="module")
 def mixed(tiny, tmp_path_factory):
-    """GPTQ bits auto among 4- and 8-bit grids, written as compressed-tensors, GPTQ and float safetensors."""
+    """GPTQ bits auto among 4- and 8-bit grids (each Linear's proxy scaled by its measured KL divergence),
+    written as compressed-tensors, GPTQ and float safetensors."""
     ckpt, imatrix, windows = tiny
     out = tmp_path_factory.mktemp("bits")
-    variant = _variant(4.6, ["int4-g32", "int4-g128", "int8-g128"], "gptq", ("safetensors", "compressed-tensors", "gptq"))
+    variant = _variant(4.6, ["int4-g32", "int4-g128", "int8-g128"], "gptq", ("safetensors", "compressed-tensors", "gptq"),
+                       sensitivity="kld")
     built = build_variant(ckpt, variant, out, imatrix=imatrix, calibration=windows)
     return out / variant.name, built
 

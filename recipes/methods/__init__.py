@@ -155,7 +155,7 @@ class SearchesBits:
                progress) -> Plan:
         if not variant.weights.searches_bits:
             return plan
-        specs = searched_grids(ckpt, variant, _targeted(ckpt, variant), imatrix, progress)
+        specs = searched_grids(ckpt, variant, _targeted(ckpt, variant), imatrix, windows, progress)
         return Plan(plan.names, quantized=plan.quantized, specs=specs, summary=grid_summary(specs))
 
 
