@@ -12,8 +12,9 @@ prompts and the log-probabilities of the prompts' own tokens. transformers produ
 float16 from the original's folder and from each variant's compressed-tensors export, which the
 compressed-tensors package decompresses (transformers cannot load GPTQ or AWQ files without
 GPTQModel). W8A8's reference runs its activations unquantized; vLLM quantizes them per token.
-Printed per export: whether vLLM loads it, whether the greedy tokens are identical, and the
-largest prompt log-probability difference. tests/test_vllm_interop.py runs it in ``make test``.
+Printed per export: whether vLLM loads it, whether the greedy tokens are identical (where they
+part, transformers' own margin between its top two tokens there: a near tie that float16 rounding
+may flip either way), and the largest prompt log-probability difference. tests/test_vllm_interop.py runs it in ``make test``.
 
     bash bench/anchors/setup.sh vllm          # once, about 75 s
     python bench/vllm_interop.py [--model recipes/bundled/tiny] [--work DIR] [--only NAMES] [--json]
