@@ -177,6 +177,8 @@ class GPTQFormat(CheckpointFormat):
     def read(self, config: dict, raw: HFCheckpoint) -> GPTQLayout:
         if config.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
             raise ValueError(f"checkpoint_format {config.get('checkpoint_format')!r}")
+        if config.get("dynamic"):
+            raise ValueError("per-module dynamic overrides: Linears on several grids")
         group = config.get("group_size", -1)
         spec = QuantSpec(config["bits"], bool(config.get("sym", True)), "channel" if group in (-1, None) else "group",
                          None if group in (-1, None) else group)

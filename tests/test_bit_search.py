@@ -173,3 +173,14 @@ def test_gptqmodel_reads_the_dynamic_overrides_back(mixed):
     config = json.loads((folder / "gptq" / "quantize_config.json").read_text())
     assert config["dynamic"] and {v["bits"] for v in config["dynamic"].values()} | {config["bits"]} == {4, 8}
     assert_read_back_exactly(read_back(folder, "gptq"))
+
+
+@pytest.mark.parametrize("export, why", [("compressed-tensors", "more than one config group"),
+                                         ("gptq", "per-module dynamic overrides: Linears on several grids")])
+def test_a_mix_of_grids_as_a_source_is_refused_in_one_line(mixed, export, why):
+    """Our reader of quantized checkpoints (a recipe's model, ``quantize inspect``) takes one grid per file."""
+    from formats.sources import open_checkpoint
+
+    with pytest.raises(InputError) as e:
+        open_checkpoint(mixed[0] / export)
+    assert why in str(e.value) and "\n" not in str(e.value)
