@@ -4,7 +4,7 @@ which imports them."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -40,7 +40,7 @@ class GridWeights(Targeted):
     Float formats have a fixed width: ``bits`` may be left out, and must match when given."""
 
     format: NumberFormat = "int"
-    bits: Annotated[int, Field(ge=2, le=8)] | Literal["auto"] | None = Field(default=None, validate_default=True)
+    bits: int | str | None = Field(default=None, validate_default=True)  # 2-8, or "auto" (checked below)
     bpw: float | None = Field(default=None, gt=0, le=16)  # bits auto: bits per quantized weight, scales included
     candidates: list[Literal[tuple(GRIDS)]] | None = Field(default=None, min_length=1)  # type: ignore[valid-type]
     # bits auto: rank grids by the proxy alone, or scale each Linear's proxies by the KL divergence it adds
@@ -52,10 +52,12 @@ class GridWeights(Targeted):
 
     @field_validator("bits")
     @classmethod
-    def _bits_match_the_format(cls, bits: int | None, info: ValidationInfo) -> int | None:
+    def _bits_match_the_format(cls, bits: int | str | None, info: ValidationInfo) -> int | str | None:
         fmt = info.data.get("format")  # absent when invalid: that error is reported first
         if fmt == "int" and bits is None:
             raise PydanticCustomError("missing", "Field required")
+        if isinstance(bits, str) and bits != AUTO or isinstance(bits, int) and not 2 <= bits <= 8:
+            raise ValueError(f"{bits!r} is not a width from 2 to 8 bits, nor auto")
         if fmt not in FORMAT_BITS:
             return bits
         if bits is not None and bits != FORMAT_BITS[fmt]:

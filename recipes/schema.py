@@ -462,6 +462,8 @@ def _first_error(error: ValidationError, data: dict) -> str:
                 parts.append(f"({node['name']})")
         elif isinstance(node, dict) and node.get("method") == loc and loc not in node:
             continue  # the tag pydantic adds for the chosen member of a union, not a field name
+        elif parts and node is not None and not isinstance(node, (dict, list)):
+            continue  # below a value given in the recipe: the tag of the union member that refused it (bits: int or auto)
         else:
             parts.append(f".{loc}" if parts else str(loc))
             node = node.get(loc) if isinstance(node, dict) else None

@@ -28,6 +28,8 @@ MIXED_BITS = ["int4-g128", "int8-g128"]
 
 @pytest.mark.check
 @pytest.mark.parametrize("weights, exports, message", [
+    ({"method": "gptq", "bits": "four"}, [], "field 'variants[0](v).weights.bits': 'four' is not a width from 2 to 8 bits, nor auto"),
+    ({"method": "gptq", "bits": 4.5}, [], "field 'variants[0](v).weights.bits': Input should be a valid integer"),
     ({"method": "gptq", "bits": "auto"}, [], "bits auto needs a budget: bpw"),
     ({"method": "gptq", "bits": "auto", "bpw": 4.5, "group_size": 64}, [], "leave out group_size"),
     ({"method": "rtn", "bits": "auto", "bpw": 4.5, "granularity": "group"}, [], "leave out granularity"),
