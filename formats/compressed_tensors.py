@@ -70,14 +70,14 @@ class CompressedTensorsWriter(QuantizedFolderWriter):
     export = "compressed-tensors"
 
     def __init__(self, dest: Path, source: HFCheckpoint, names: list[str], quantized: set[str], spec: QuantSpec,
-                 activations: ActivationSpec | None = None, act_order: bool = False):
-        self.format = self._accept(spec, lambda s: layout(s, activations))
+                 activations: ActivationSpec | None = None, act_order: bool = False,
+                 specs: dict[str, QuantSpec] | None = None):
+        self.format = self._accept(spec, lambda s: layout(s, activations), source, specs)
         ignore = ["lm_head"] + unquantized_linears(source, quantized)
         self._open(dest, source, names, quantized, self._quantization_config(activations, act_order, ignore))
 
-    def _scale_shape(self, shape: tuple[int, int]) -> tuple[int, ...]:
+    def _scale_shape(self, shape: tuple[int, int], spec: QuantSpec) -> tuple[int, ...]:
         out, n_in = shape
-        spec = self.spec
         if spec.granularity == "group":
             return (out, n_in // spec.group_size)
         if spec.granularity == "block":
@@ -86,41 +86,41 @@ class CompressedTensorsWriter(QuantizedFolderWriter):
 
     def stored(self, module: str, shape: tuple[int, int]) -> Planned:
         out, n_in = shape
-        scales = self._scale_shape(shape)
+        spec = self.spec_of(module)
+        scales = self._scale_shape(shape, spec)
         if self.format == "int-quantized":
             return [(f"{module}.weight", torch.int8, shape), (f"{module}.weight_scale", torch.float16, scales)]
         if self.format == "float-quantized":
             return [(f"{module}.weight", torch.float8_e4m3fn, shape), (f"{module}.weight_scale", torch.float32, scales)]
-        bits = self.spec.bits
+        bits = spec.bits
         plan = [(f"{module}.weight_packed", torch.int32, (out, math.ceil(n_in * bits / 32))),
                 (f"{module}.weight_scale", torch.float16, scales)]
-        if not self.spec.symmetric:
+        if not spec.symmetric:
             plan.append((f"{module}.weight_zero_point", torch.int32, (math.ceil(out * bits / 32), scales[1])))
         plan.append((f"{module}.weight_shape", torch.int64, (2,)))
         return plan
 
     def encode(self, payload: QuantizedTensor) -> list[torch.Tensor]:
-        scales = payload.scales
-        scales = scales.reshape(-1)[:1] if self.spec.granularity == "tensor" else scales.reshape(self._scale_shape(payload.shape))
+        spec, scales = payload.spec, payload.scales
+        scales = scales.reshape(-1)[:1] if spec.granularity == "tensor" else scales.reshape(self._scale_shape(payload.shape, spec))
         if self.format == "int-quantized":
             return [(payload.codes.to(torch.int16) - 128).to(torch.int8), scales.to(torch.float16)]
         if self.format == "float-quantized":
             return [payload.codes.view(torch.float8_e4m3fn), scales.to(torch.float32)]
-        bits = self.spec.bits
+        bits = spec.bits
         tensors = [pack_codes(payload.codes, bits), scales.to(torch.float16)]
-        if not self.spec.symmetric:
+        if not spec.symmetric:
             zeros = payload.zeros.round().to(torch.uint8)
             tensors.append(pack_codes(zeros.T.contiguous(), bits).T.contiguous())
         return tensors + [torch.tensor(payload.shape, dtype=torch.int64)]
 
     def _quantization_config(self, activations: ActivationSpec | None, act_order: bool, ignore: list[str]) -> dict:
-        spec = self.spec
-        weights = {
-            "num_bits": spec.bits, "type": "int" if spec.format == "int" else "float", "symmetric": spec.symmetric,
-            "strategy": spec.granularity, "group_size": spec.group_size if spec.granularity == "group" else None,
-            "block_structure": [spec.group_size] * 2 if spec.granularity == "block" else None,
-            "dynamic": False, "actorder": "weight" if act_order else None, "observer": "minmax",
-        }
+        """One config group for one grid, targeting every Linear not ignored; with Linears on
+        several grids (``bits: auto``), a group per grid, each targeting its Linears by name."""
+        by_grid: dict[QuantSpec, list[str]] = {}
+        for module, spec in self.module_specs.items():
+            by_grid.setdefault(spec, []).append(module)
+        targets = by_grid or {self.spec: ["Linear"]}
         inputs = None
         if activations is not None:
             inputs = {"num_bits": 8, "type": "int" if activations.format == "int8" else "float", "symmetric": True,
@@ -129,12 +129,23 @@ class CompressedTensorsWriter(QuantizedFolderWriter):
             "quant_method": "compressed-tensors",
             "format": self.format,
             "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
-                                          "output_activations": None, "format": self.format}},
+            "config_groups": {f"group_{i}": {"targets": modules, "weights": _weights_config(spec, act_order),
+                                             "input_activations": inputs, "output_activations": None, "format": self.format}
+                              for i, (spec, modules) in enumerate(targets.items())},
             "ignore": ignore,
             "kv_cache_scheme": None,
             "sparsity_config": {},
         }
+
+
+def _weights_config(spec: QuantSpec, act_order: bool) -> dict:
+    """A config group's ``weights``: the grid of its Linears."""
+    return {
+        "num_bits": spec.bits, "type": "int" if spec.format == "int" else "float", "symmetric": spec.symmetric,
+        "strategy": spec.granularity, "group_size": spec.group_size if spec.granularity == "group" else None,
+        "block_structure": [spec.group_size] * 2 if spec.granularity == "block" else None,
+        "dynamic": False, "actorder": "weight" if act_order else None, "observer": "minmax",
+    }
 
 
 class PackQuantized(QuantizedLayout):
@@ -220,6 +231,7 @@ class CompressedTensorsFormat(CheckpointFormat):
     name = "compressed-tensors"
     codes = True
     holds_group_index = CompressedTensorsWriter.holds_group_index
+    mixes_grids = True
     readable = "compressed-tensors (pack-quantized, int-quantized, float-quantized)"
 
     def check(self, spec: QuantSpec, activations: ActivationSpec | None) -> None:
@@ -227,7 +239,7 @@ class CompressedTensorsFormat(CheckpointFormat):
 
     def writer(self, dest: Path, contents: ExportContents) -> CompressedTensorsWriter:
         c = contents
-        return CompressedTensorsWriter(dest, c.source, c.names, c.quantized, c.spec, c.activations, c.act_order)
+        return CompressedTensorsWriter(dest, c.source, c.names, c.quantized, c.spec, c.activations, c.act_order, c.specs)
 
     def read(self, config: dict, raw: HFCheckpoint) -> QuantizedLayout:
         """One config group: its weights' layout, as this module writes them (and llm-compressor)."""

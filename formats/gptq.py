@@ -20,16 +20,18 @@ the scales the codes were chosen for.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
 
+from core.errors import InputError
 from core.schemes import ActivationSpec, QuantSpec
 from core.tensors import QuantizedTensor
 from formats.checkpoint_format import CheckpointFormat, ExportContents, weight_only
 from formats.hf import HFCheckpoint
 from formats.packing import pack_codes, unpack_codes
-from formats.quantized_folder import Planned, QuantizedFolderWriter
+from formats.quantized_folder import Planned, QuantizedFolderWriter, fused_name
 from formats.quantized_layout import Expected, QuantizedLayout
 
 BITS = (2, 3, 4, 8)
@@ -52,21 +54,27 @@ class GPTQWriter(QuantizedFolderWriter):
     holds_group_index = True
 
     def __init__(self, dest: Path, source: HFCheckpoint, names: list[str], quantized: set[str], spec: QuantSpec,
-                 act_order: bool = False, settings: dict | None = None):
-        self._accept(spec, check_spec)
-        self.group_size = spec.group_size if spec.granularity == "group" else None
+                 act_order: bool = False, settings: dict | None = None, specs: dict[str, QuantSpec] | None = None):
+        self._accept(spec, check_spec, source, specs)
+        if self.module_specs:  # the grid most Linears share is the config's; the others are overrides
+            grids = list(self.module_specs.values())
+            self.spec = max(grids, key=grids.count)
+        spec = self.spec
         quantization = {
-            "quant_method": "gptq", "bits": spec.bits, "group_size": self.group_size or -1, "desc_act": act_order,
+            "quant_method": "gptq", "bits": spec.bits, "group_size": _group_size(spec), "desc_act": act_order,
             "sym": spec.symmetric, "lm_head": False, "checkpoint_format": "gptq" if spec.symmetric else "gptq_v2",
             "pack_dtype": "int32", "meta": {"quantizer": ["quantbench"], **(settings or {})},
         }
+        if self.module_specs:
+            quantization["dynamic"] = dynamic_overrides(self.module_specs, spec)
         self._open(dest, source, names, quantized, quantization)
         (self.folder / "quantize_config.json").write_text(json.dumps(quantization, indent=2) + "\n")
 
     def stored(self, module: str, shape: tuple[int, int]) -> Planned:
         out, n_in = shape
-        bits = self.spec.bits
-        groups = n_in // self.group_size if self.group_size else 1
+        spec = self.spec_of(module)
+        bits = spec.bits
+        groups = n_in // spec.group_size if spec.granularity == "group" else 1
         return [
             (f"{module}.qweight", torch.int32, (-(-n_in * bits // 32), out)),
             (f"{module}.qzeros", torch.int32, (groups, -(-out * bits // 32))),
@@ -75,20 +83,49 @@ class GPTQWriter(QuantizedFolderWriter):
         ]
 
     def encode(self, payload: QuantizedTensor) -> list[torch.Tensor]:
-        bits = self.spec.bits
+        spec = payload.spec
+        bits = spec.bits
         n_in = payload.shape[1]
         zeros = payload.zeros.round().to(torch.int16)
-        if self.spec.symmetric:
+        if spec.symmetric:
             zeros = (zeros - 1) % 2**bits  # v1 stores zero-points minus one
         index = payload.group_index
         if index is None:
-            index = torch.arange(n_in, dtype=torch.int32) // (self.group_size or n_in)
+            index = torch.arange(n_in, dtype=torch.int32) // (spec.group_size if spec.granularity == "group" else n_in)
         return [
             pack_codes(payload.codes, bits).T.contiguous(),
             pack_codes(zeros.T.to(torch.uint8).contiguous(), bits),
             payload.scales.T.to(torch.float16).contiguous(),
             index.to(torch.int32),
         ]
+
+
+def _group_size(spec: QuantSpec) -> int:
+    """A GPTQ config's group size: -1 for one scale per output channel."""
+    return spec.group_size if spec.granularity == "group" else -1
+
+
+def dynamic_overrides(module_specs: dict[str, QuantSpec], base: QuantSpec) -> dict[str, dict]:
+    """GPTQModel's ``dynamic``: for each Linear (or product of Linears vLLM fuses, which share a
+    grid) not on the ``base`` grid, a ``+:`` regex over its module name and its own ``bits`` and
+    ``group_size``. GPTQModel matches the regex against each Linear's name, vLLM against the
+    product's (``qkv_proj``), so the regex takes both."""
+    items: dict[str, dict[str, QuantSpec]] = {}
+    for module, spec in module_specs.items():
+        items.setdefault(fused_name(module), {})[module] = spec
+    overrides = {}
+    for fused, members in items.items():
+        grids = set(members.values())
+        if len(grids) > 1:
+            raise InputError(f"gptq export: {', '.join(members)} run as one product in vLLM but are on different grids")
+        spec = grids.pop()
+        if spec == base:
+            continue
+        parent = fused.rpartition(".")[0]
+        leaves = sorted({m.rpartition(".")[2] for m in members} | {fused.rpartition(".")[2]})
+        pattern = re.escape(parent) + r"\." + (leaves[0] if len(leaves) == 1 else "(?:" + "|".join(leaves) + ")") + "$"
+        overrides[f"+:{pattern}"] = {"bits": spec.bits, "group_size": _group_size(spec)}
+    return overrides
 
 
 class GPTQLayout(QuantizedLayout):
@@ -126,6 +163,7 @@ class GPTQFormat(CheckpointFormat):
     name = "gptq"
     codes = True
     holds_group_index = GPTQWriter.holds_group_index
+    mixes_grids = True
     readable = "gptq"
 
     def check(self, spec: QuantSpec, activations: ActivationSpec | None) -> None:
@@ -133,11 +171,14 @@ class GPTQFormat(CheckpointFormat):
 
     def writer(self, dest: Path, contents: ExportContents) -> GPTQWriter:
         c = contents
-        return GPTQWriter(dest, c.source, c.names, c.quantized, c.spec, c.act_order and not c.static_groups, c.settings)
+        return GPTQWriter(dest, c.source, c.names, c.quantized, c.spec, c.act_order and not c.static_groups, c.settings,
+                          c.specs)
 
     def read(self, config: dict, raw: HFCheckpoint) -> GPTQLayout:
         if config.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
             raise ValueError(f"checkpoint_format {config.get('checkpoint_format')!r}")
+        if config.get("dynamic"):
+            raise ValueError("per-module dynamic overrides: Linears on several grids")
         group = config.get("group_size", -1)
         spec = QuantSpec(config["bits"], bool(config.get("sym", True)), "channel" if group in (-1, None) else "group",
                          None if group in (-1, None) else group)

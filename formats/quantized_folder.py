@@ -17,6 +17,16 @@ from formats.hf import HFCheckpoint, SafetensorsFolderWriter, export_config
 Planned = list[tuple[str, torch.dtype, tuple[int, ...]]]
 T = TypeVar("T")
 
+# the Linears vLLM runs as one product (its Llama-family models' ``packed_modules_mapping``): it loads
+# them with one kernel, so they must share a grid, and it names them by the product in its GPTQ configs
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def fused_name(module: str) -> str:
+    """The name vLLM gives the product ``module`` is part of; the module itself where it is fused with none."""
+    parent, _, leaf = module.rpartition(".")
+    return next((f"{parent}.{fused}" for fused, parts in FUSED.items() if leaf in parts), module)
+
 
 def unquantized_linears(source: HFCheckpoint, quantized: set[str]) -> list[str]:
     """The decoder Linear modules a variant leaves in 16 bits, which a config must name so that
@@ -39,15 +49,25 @@ class QuantizedFolderWriter:
     # GPTQModel's Phi-3 definition quantizes (vLLM stacks them back into one product)
     splits_gate_up = False
 
-    def _accept(self, spec: QuantSpec, check: Callable[[QuantSpec], T]) -> T:
-        """Keep ``spec`` if ``check`` (which raises ValueError saying why not) accepts it; returns
-        what ``check`` returns."""
+    def _accept(self, spec: QuantSpec, check: Callable[[QuantSpec], T], source: HFCheckpoint | None = None,
+                specs: dict[str, QuantSpec] | None = None) -> T:
+        """Keep ``spec`` and the grids of the weights that have their own (``specs`` by weight name,
+        from ``source``: ``bits: auto``) if ``check`` (which raises ValueError saying why not) accepts
+        each; returns what ``check`` returns for ``spec``."""
         try:
             result = check(spec)
+            for own in set((specs or {}).values()):
+                check(own)
         except ValueError as e:
             raise InputError(f"{self.export} export: no layout holds {e}") from None
         self.spec = spec
+        self.module_specs = {part.removesuffix(".weight"): own for name, own in (specs or {}).items()
+                             for part, _ in self._parts(name, tuple(source.shape(name)))}
         return result
+
+    def spec_of(self, module: str) -> QuantSpec:
+        """The grid of the quantized Linear ``module`` (as stored: Phi-3's gate_proj, not gate_up_proj)."""
+        return self.module_specs.get(module, self.spec)
 
     def _open(self, dest: Path, source: HFCheckpoint, names: list[str], quantized: set[str],
               quantization_config: dict) -> None:

@@ -8,6 +8,7 @@ weights, ‖ΔW‖ / ‖W‖.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 OUTPUT_ERROR = "relative output error on calibration inputs"
@@ -24,3 +25,16 @@ def relative_error(weight: torch.Tensor, quantized: torch.Tensor, hessian: torch
         return float(delta.norm() / w.norm().clamp_min(1e-30))
     h = hessian.to(w.device, dtype)
     return float((((delta @ h) * delta).sum() / ((w @ h) * w).sum().clamp_min(1e-30)).clamp_min(0).sqrt())
+
+
+def weighted_rounding_error(weight: torch.Tensor, decoded: torch.Tensor, importance: np.ndarray | None) -> float:
+    """``sum importance[col] * (w - decoded)**2``, importance 1 for every column where there is none.
+    With the importance matrix's mean squared input per column (the Hessian's diagonal per token)
+    it is, to first order, the squared error the Linear adds to its outputs per token, summed over
+    its rows, so that different Linears and grids compare on one scale: the proxy by which
+    ``type: auto`` and ``bits: auto`` rank their candidates."""
+    rows = weight.reshape(-1, weight.shape[-1]).float()
+    per_column = (rows - decoded.reshape(rows.shape).float()).double().square().sum(0)
+    if importance is None:
+        return float(per_column.sum())
+    return float((per_column * torch.from_numpy(np.asarray(importance, np.float64))).sum())

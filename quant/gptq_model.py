@@ -31,21 +31,24 @@ def gptq_model(
     settings: GPTQSettings = GPTQSettings(),
     targets: list[str] = ("*",),
     ignore: list[str] = (),
+    specs: dict[str, QuantSpec] | None = None,
 ) -> Iterator[dict[str, GPTQResult]]:
     """Quantize the decoder layers' Linear weights whose module names match a ``targets`` pattern
     and no ``ignore`` pattern (shell-style, e.g. ``*.mlp.*``), yielding each layer's results by
     weight name (``model.layers.0.self_attn.q_proj.weight``, on the CPU) in layer order, one dict
     per decoder layer (empty when no module of the layer was chosen). The output head is outside
-    the decoder layers and is never touched."""
+    the decoder layers and is never touched. ``specs`` gives weights a grid of their own (by weight
+    name; the rest take ``spec``), as ``bits: auto`` chooses them."""
     model = skeleton(ckpt)
     prefix = layers_prefix(model)
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith(prefix + ".")]
     chosen = select_modules(linears, targets, ignore)
     for step in walk_layers(ckpt, model, windows):
-        yield gptq_layer(step, spec, settings, chosen)
+        yield gptq_layer(step, spec, settings, chosen, specs)
 
 
-def gptq_layer(step: LayerStep, spec: QuantSpec, settings: GPTQSettings, chosen: set[str]) -> dict[str, GPTQResult]:
+def gptq_layer(step: LayerStep, spec: QuantSpec, settings: GPTQSettings, chosen: set[str],
+               specs: dict[str, QuantSpec] | None = None) -> dict[str, GPTQResult]:
     """GPTQ on one decoder layer of a walk: the ``chosen`` Linear modules (full names), group by
     group in call order, each group's Hessians gathered after the groups before it were quantized.
     The layer keeps the quantized weights, so what it feeds the next layer is what a quantized
@@ -60,7 +63,8 @@ def gptq_layer(step: LayerStep, spec: QuantSpec, settings: GPTQSettings, chosen:
         stats = input_statistics(layer, inputs, names)
         for n in names:
             linear = modules[n]
-            result = gptq_quantize(linear.weight.data, stats.pop(n).hessian, spec, settings, name=base + n)
+            grid = (specs or {}).get(f"{base}{n}.weight", spec)
+            result = gptq_quantize(linear.weight.data, stats.pop(n).hessian, grid, settings, name=base + n)
             linear.weight.data = result.tensor.dequantize().to(linear.weight.dtype)  # what later groups and layers see
             results[f"{base}{n}.weight"] = replace(result, tensor=to_cpu(result.tensor))
     return results

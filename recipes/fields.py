@@ -6,10 +6,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from core.schemes import FORMAT_BITS, NumberFormat, QuantSpec
+
+AUTO = "auto"  # ``bits: auto``: each Linear's grid chosen within a budget (recipes/bit_search.py)
+# the grids ``bits: auto`` may choose among, by the name a recipe's ``candidates`` gives them: (bits, group size;
+# None: one scale per output channel); the integer widths vLLM's GPTQ and compressed-tensors kernels take
+GRIDS = {f"int{b}-{'channel' if g is None else f'g{g}'}": (b, g) for b in (4, 8) for g in (32, 64, 128, None)}
+# the default candidates: those vLLM's CPU build serves (its only weight-only kernel, CPUWNA16, takes 4-bit codes
+# alone, by any even group size; bench/vllm_interop.py), all of them mixed in one checkpoint
+VLLM_CPU_GRIDS = ("int4-g32", "int4-g64", "int4-g128", "int4-channel")
 
 
 class Strict(BaseModel):
@@ -32,22 +40,68 @@ class GridWeights(Targeted):
     Float formats have a fixed width: ``bits`` may be left out, and must match when given."""
 
     format: NumberFormat = "int"
-    bits: int | None = Field(default=None, ge=2, le=8, validate_default=True)
+    bits: int | str | None = Field(default=None, validate_default=True)  # 2-8, or "auto" (checked below)
+    bpw: float | None = Field(default=None, gt=0, le=16)  # bits auto: bits per quantized weight, scales included
+    candidates: list[Literal[tuple(GRIDS)]] | None = Field(default=None, min_length=1)  # type: ignore[valid-type]
+    # bits auto: rank grids by the proxy alone, or scale each Linear's proxies by the KL divergence it adds
+    # alone on the calibration text (recipes/bit_search.py, the default)
+    sensitivity: Literal["proxy", "kld"] | None = None
     symmetric: bool = True
     range: Literal["minmax", "mse", "percentile"] = "minmax"
     percentile: float | None = Field(default=None, gt=50, le=100)  # with range 'percentile'; default 99.9
 
     @field_validator("bits")
     @classmethod
-    def _bits_match_the_format(cls, bits: int | None, info: ValidationInfo) -> int | None:
+    def _bits_match_the_format(cls, bits: int | str | None, info: ValidationInfo) -> int | str | None:
         fmt = info.data.get("format")  # absent when invalid: that error is reported first
         if fmt == "int" and bits is None:
             raise PydanticCustomError("missing", "Field required")
+        if isinstance(bits, str) and bits != AUTO or isinstance(bits, int) and not 2 <= bits <= 8:
+            raise ValueError(f"{bits!r} is not a width from 2 to 8 bits, nor auto")
         if fmt not in FORMAT_BITS:
             return bits
         if bits is not None and bits != FORMAT_BITS[fmt]:
             raise ValueError(f"format '{fmt}' is {FORMAT_BITS[fmt]} bits wide, not {bits} (bits may be left out)")
         return FORMAT_BITS[fmt]
+
+    @model_validator(mode="after")
+    def _auto_bits_have_a_budget(self) -> "GridWeights":
+        if self.bits == AUTO:
+            if self.format != "int":
+                raise ValueError("bits auto chooses among integer grids: format must be int")
+            if self.bpw is None:
+                raise ValueError("bits auto needs a budget: bpw (bits per quantized weight, scales included)")
+            chosen = {"group_size", "granularity"} & self.model_fields_set
+            if chosen:
+                raise ValueError(f"bits auto chooses each Linear's grid among candidates: leave out {', '.join(sorted(chosen))}")
+        elif self.bpw is not None or self.candidates is not None or self.sensitivity is not None:
+            raise ValueError("bpw, candidates and sensitivity are for bits auto")
+        return self
+
+    @property
+    def searches_bits(self) -> bool:
+        """Whether each Linear's grid is chosen within the ``bpw`` budget (``bits: auto``)."""
+        return self.bits == AUTO
+
+    @property
+    def measures_kld(self) -> bool:
+        """Whether bits auto scales its proxy by measured KL divergences (``sensitivity``)."""
+        return self.searches_bits and self.sensitivity != "proxy"
+
+    @property
+    def grids(self) -> list[QuantSpec]:
+        """The candidate grids of ``bits: auto``, smallest first by bits per weight, or the one grid."""
+        if not self.searches_bits:
+            return [self.spec]
+        named = [GRIDS[name] for name in self.candidates or VLLM_CPU_GRIDS]
+        specs = {self._grid(b, "channel" if g is None else "group", g) for b, g in named}
+        return sorted(specs, key=lambda s: (s.bits, -(s.group_size or 1 << 30)))
+
+    @property
+    def imatrix(self) -> bool:
+        """Whether the job measures an importance matrix for this variant: ``bits: auto`` weighs
+        each candidate's rounding error by it (recipes/bit_search.py)."""
+        return self.searches_bits
 
     @field_validator("symmetric")
     @classmethod
@@ -65,5 +119,10 @@ class GridWeights(Targeted):
         return percentile
 
     def _spec(self, granularity: str, group_size: int | None) -> QuantSpec:
+        """The weights' grid; with ``bits: auto`` the narrowest candidate, which each Linear has until the
+        search (recipes/bit_search.py) gives it its own."""
+        return self.grids[0] if self.searches_bits else self._grid(self.bits, granularity, group_size)
+
+    def _grid(self, bits: int, granularity: str, group_size: int | None) -> QuantSpec:
         percentile = 99.9 if self.percentile is None else self.percentile
-        return QuantSpec(self.bits, self.symmetric, granularity, group_size, self.range, self.format, percentile)
+        return QuantSpec(bits, self.symmetric, granularity, group_size, self.range, self.format, percentile)

@@ -99,8 +99,12 @@ class Variant(Strict):
                 raise ValueError(f"a {export} export needs {', '.join(on_grid[:-1])} or {on_grid[-1]} weights, not {w.method}")
             if getattr(w, "outliers", None) is not None:
                 raise ValueError(f"a {export} export cannot hold outlier columns kept in 16 bits")
+            if getattr(w, "searches_bits", False) and not fmt.mixes_grids:
+                mixing = [name for name, f in FORMATS.items() if f.mixes_grids]
+                raise ValueError(f"a {export} export holds one grid, not the mix bits auto chooses; use {' or '.join(mixing)}")
             try:
-                fmt.check(w.spec, activations)
+                for grid in getattr(w, "grids", [w.spec]):
+                    fmt.check(grid, activations)
             except ValueError as e:
                 raise ValueError(f"a {export} export cannot hold {e}") from None
             if getattr(w, "act_order", False) and not w.static_groups and w.group_size and not fmt.holds_group_index:
@@ -116,6 +120,8 @@ class Variant(Strict):
             raise ValueError(f"activations need rtn or gptq weights, not {self.weights.method}")
         if getattr(self.weights, "outliers", None) is not None:
             raise ValueError("outliers (16-bit weight columns) are for weight-only variants; with activations use smoothquant")
+        if self.weights.searches_bits:
+            raise ValueError("bits auto chooses weight-only grids (W4A16, W8A16), not grids for quantized activations")
         return self
 
 
@@ -456,6 +462,8 @@ def _first_error(error: ValidationError, data: dict) -> str:
                 parts.append(f"({node['name']})")
         elif isinstance(node, dict) and node.get("method") == loc and loc not in node:
             continue  # the tag pydantic adds for the chosen member of a union, not a field name
+        elif parts and node is not None and not isinstance(node, (dict, list)):
+            continue  # below a value given in the recipe: the tag of the union member that refused it (bits: int or auto)
         else:
             parts.append(f".{loc}" if parts else str(loc))
             node = node.get(loc) if isinstance(node, dict) else None

@@ -19,24 +19,19 @@ of the model per tensor.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
-
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from rich.progress import Progress
 
 from core.errors import InputError
-from evalsuite.reference import ReferenceStore
-from evalsuite.streamed import streamed_scores
+from core.tensors import GGMLTensor
 from core.file_types import NEEDS_IMATRIX, fit_rows, is_embedding_or_head, is_quantizable
 from formats.gguf import gguf_name
-from formats.variant_weights import VariantWeights
 from quant.ggml import encode
 from quant.ggml.sensitivity import weighted_error
 from quant.knapsack import cheapest_picks
+from recipes.kld_gains import kld_gains
 from recipes.methods import Imatrix, Plan, gguf_plan
 
 # the default candidates: every K- and i-quant type we encode, and Q8_0, smallest first
@@ -103,35 +98,25 @@ def searched_plan(ckpt, variant, plan: Plan, imatrix: Imatrix | None, windows: t
     if variant.weights.measures_kld:
         if windows is None:
             raise InputError(f"variant '{variant.name}': sensitivity kld needs calibration text (add 'calibration: {{text: ...}}')")
-        costs *= _gains(ckpt, plan.names, choices, costs, imatrix, windows[:_GAIN_WINDOWS], progress)[:, None]
+        costs *= _gains(ckpt, plan.names, choices, costs, imatrix, windows, progress)[:, None]
     weights = sum(int(np.prod(ckpt.shape(n))) for n in plan.names)
     picks = cheapest_picks(costs, sizes, variant.weights.budget_bytes(weights))
     types = {name: choices[name][k] for name, k in zip(plan.names, picks)}
     return Plan(plan.names, types, plan.quantized, summary=type_summary(types))
 
 
-_GAIN_WINDOWS = 4  # calibration windows each gain is measured on
-
-
 def _gains(ckpt, names: list[str], choices: dict[str, tuple[str, ...]], costs: np.ndarray, imatrix: Imatrix | None,
            windows: torch.Tensor, progress: Progress) -> np.ndarray:
-    """Each tensor's added KL divergence per unit of proxy, measured in one type (1 where it has no choice)."""
-    gains = np.ones(len(names))
-    task = progress.add_task("measure KL divergence per tensor", total=len(names))
-    with tempfile.TemporaryDirectory() as tmp:
-        streamed_scores(ckpt, windows, keep=Path(tmp) / "float")
-        reference = ReferenceStore(Path(tmp) / "float", windows)
-        for i, name in enumerate(names):
-            types = choices[name]
-            if len(types) > 1:
-                k = int(np.argmin([abs(8 * tensor_bytes(ckpt.shape(name), t) / np.prod(ckpt.shape(name)) - 4) for t in types]))
-                alone = VariantWeights(Path(tmp) / str(i), ckpt)
-                alone.put(name, encode(ckpt.tensor(name), types[k], name, imatrix.get(name) if imatrix else None))
-                gains[i] = max(streamed_scores(alone, windows, reference).kld, 1e-12) / max(costs[i, k], 1e-30)
-                shutil.rmtree(alone.folder)
-            progress.advance(task)
-    progress.remove_task(task)
-    return gains
+    """Each tensor's added KL divergence per unit of proxy (recipes/kld_gains.py), measured in its
+    type nearest 4 bits per weight (1 where it has no choice)."""
+    measured = [int(np.argmin([abs(8 * tensor_bytes(ckpt.shape(n), t) / np.prod(ckpt.shape(n)) - 4) for t in choices[n]]))
+                for n in names]
+    proxies = [costs[i, k] if len(choices[n]) > 1 else None for i, (n, k) in enumerate(zip(names, measured))]
+
+    def alone(i: int) -> dict[str, GGMLTensor]:
+        name = names[i]
+        return {name: encode(ckpt.tensor(name), choices[name][measured[i]], name, imatrix.get(name) if imatrix else None)}
+    return kld_gains(ckpt, proxies, alone, windows, progress)
 
 
 def proxy_errors(ckpt, name: str, types: tuple[str, ...], imatrix: Imatrix | None) -> list[float]:

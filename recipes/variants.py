@@ -96,7 +96,7 @@ def _build(ckpt: HFCheckpoint, variant: Variant, out_dir: Path, progress: Progre
     progress = progress or Progress(disable=True)
     plan = method.settle(ckpt, variant, method.plan(ckpt, variant, imatrix is not None), imatrix, calibration,
                          progress)
-    statistics, errors = _fit(ckpt, variant, calibration, progress, checkpoint, fitted)
+    statistics, errors = _fit(ckpt, variant, plan, calibration, progress, checkpoint, fitted)
     compares = method.compares_weights and variant.activations is None
     measure = OUTPUT_ERROR if errors else WEIGHT_ERROR if compares and kept is not None else None
     linears = set(ckpt.linear_modules)
@@ -151,7 +151,7 @@ def export_contents(ckpt: HFCheckpoint, variant: Variant, plan: Plan) -> ExportC
     weights' grid only where an export stores codes on it (a gguf grid has none)."""
     w, method = variant.weights, method_of(variant.weights)
     codes = any(FORMATS[e].codes for e in variant.exports)
-    return ExportContents(ckpt, plan.names, plan.quantized, plan.ggml_types, spec=w.spec if codes else None,
+    return ExportContents(ckpt, plan.names, plan.quantized, plan.ggml_types, spec=w.spec if codes else None, specs=plan.specs,
                           activations=variant.activations.spec if variant.activations else None,
                           act_order=getattr(w, "act_order", False), static_groups=getattr(w, "static_groups", False),
                           settings=method.fit_record(w), file_type=method.gguf_type(w))
@@ -170,7 +170,7 @@ def export_paths(ckpt: HFCheckpoint, variant: Variant, out_dir: Path, gguf_path:
     return paths
 
 
-def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None, progress: Progress,
+def _fit(ckpt: HFCheckpoint, variant: Variant, plan: Plan, windows: torch.Tensor | None, progress: Progress,
          checkpoint: Path | None, fitted: VariantWeights) -> tuple[dict[str, dict], dict[str, float]]:
     """The variant's calibrated pass (its method's, or SmoothQuant's before W8A8 with the method's
     weight pass), streamed from the checkpoint one decoder layer at a time (the float model is
@@ -191,7 +191,7 @@ def _fit(ckpt: HFCheckpoint, variant: Variant, windows: torch.Tensor | None, pro
         label = method.pass_label(weights)
         layers = method.fit(ckpt, variant, windows,
                             lambda where: progress.update(task, description=f"{variant.name}: {label} {where}"),
-                            checkpoint)
+                            checkpoint, plan)
     statistics: dict[str, dict] = {}
     errors: dict[str, float] = {}
     task = progress.add_task(f"{variant.name}: {label} layers", total=ckpt.arch.layers)

@@ -26,6 +26,7 @@ SUBSYSTEMS = {
     "the packages' import floors": ("test_import_order", "test_packages_import_only_lower_floors"),
     "the export formats' and weight methods' registries": ("test_registries", "test_the_recipe_exports_are_the_registered_formats"),
     "a type: auto GGUF file within its budget, run by llama.cpp": ("test_auto_mix", "test_auto_file_keeps_its_budget_and_llama_cpp_runs_it"),
+    "bits: auto's grids within their budget": ("test_bit_search", "test_a_tighter_budget_keeps_fewer_linears_in_8_bits"),
     "a tokenizer.json SentencePiece BPE as GGUF pieces": ("test_gguf_architectures", "test_tokenizer_json_pieces_are_scored_by_merge_and_typed"),
 }
 

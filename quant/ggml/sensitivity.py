@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from quant.error import weighted_rounding_error
 from quant.ggml import encode
 
 
@@ -22,9 +23,4 @@ def weighted_error(weight: torch.Tensor, ggml_type: str, importance: np.ndarray 
     """``sum importance[col] * (w - dequant(quant(w)))**2`` over ``weight`` encoded in
     ``ggml_type`` (with ``importance`` read by the encoder as llama.cpp's would); importance 1 for
     every column where there is none."""
-    rows = weight.reshape(-1, weight.shape[-1]).float()
-    decoded = encode(weight, ggml_type, name, importance).dequantize().reshape(rows.shape)
-    per_column = (rows - decoded).double().square().sum(0)
-    if importance is None:
-        return float(per_column.sum())
-    return float((per_column * torch.from_numpy(np.asarray(importance, np.float64))).sum())
+    return weighted_rounding_error(weight, encode(weight, ggml_type, name, importance).dequantize(), importance)

@@ -22,12 +22,14 @@ from pydantic import BaseModel
 
 from core.errors import InputError
 from core.file_types import imatrix_required_by, tensor_types
+from core.schemes import QuantSpec
 from core.tensors import LayerResult, TensorPayload, all_finite
 from formats.gguf import architecture_of, gguf_name, gguf_order
 from formats.hf import HFCheckpoint
 from formats.registry import FORMATS
 from quant.ggml import encode
 from quant.gptq_model import select_modules
+from recipes.bit_search import grid_summary, searched_grids, smallest_grids
 
 Imatrix = dict[str, np.ndarray]  # HF weight name -> importance per input column
 
@@ -39,7 +41,12 @@ class Plan:
     names: list[str]
     ggml_types: dict[str, str] = field(default_factory=dict)
     quantized: set[str] = field(default_factory=set)  # grid methods: the weights they quantize
+    specs: dict[str, QuantSpec] = field(default_factory=dict)  # bits auto: each quantized weight's own grid
     summary: str = ""  # what a search chose (gguf's type: auto: "Q4_K: 28 tensors, Q5_K: 7"), for the report
+
+    def spec(self, name: str, weights) -> QuantSpec:
+        """The grid of the quantized weight ``name``: its own where a search chose one, else the weights'."""
+        return self.specs.get(name) or weights.spec
 
 
 class WeightMethod:
@@ -70,9 +77,10 @@ class WeightMethod:
         return False
 
     def fit(self, ckpt: HFCheckpoint, variant, windows: torch.Tensor, report: Callable[[str], None] | None = None,
-            checkpoint: Path | None = None) -> Iterator[LayerResult]:
+            checkpoint: Path | None = None, plan: Plan | None = None) -> Iterator[LayerResult]:
         """The layer-by-layer pass on the calibration ``windows``: each decoder layer's tensors
-        as the variant stores them, as the layers stream from the checkpoint. A long pass may
+        as the variant stores them (on the grids the settled ``plan`` gives them, where a search
+        chose), as the layers stream from the checkpoint. A long pass may
         ``report`` where it is (a line for the progress bar: a training loss, say), and may keep
         its progress in the ``checkpoint`` folder, to take up again if the job is killed."""
         raise NotImplementedError
@@ -133,16 +141,39 @@ def finite(ckpt: HFCheckpoint, name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+class SearchesBits:
+    """What a grid method (RTN, GPTQ) plans when its weights say ``bits: auto`` (recipes/bit_search.py):
+    mixed in before ``WeightMethod``, whose plan and settle it keeps for one grid."""
+
+    def plan(self, ckpt: HFCheckpoint, variant, imatrix: bool) -> Plan:
+        if not variant.weights.searches_bits:
+            return super().plan(ckpt, variant, imatrix)
+        specs = smallest_grids(ckpt, variant, _targeted(ckpt, variant))
+        return Plan(ckpt.names, quantized=set(specs), specs=specs)
+
+    def settle(self, ckpt: HFCheckpoint, variant, plan: Plan, imatrix: Imatrix | None, windows: torch.Tensor | None,
+               progress) -> Plan:
+        if not variant.weights.searches_bits:
+            return plan
+        specs = searched_grids(ckpt, variant, _targeted(ckpt, variant), imatrix, windows, progress)
+        return Plan(plan.names, quantized=plan.quantized, specs=specs, summary=grid_summary(specs))
+
+
+def _targeted(ckpt: HFCheckpoint, variant) -> list[str]:
+    """The variant's chosen decoder Linears, refused in one line naming it where its patterns pick none."""
+    if not ckpt.linear_modules:
+        raise InputError(f"{ckpt.path}: no Linear weights to quantize")
+    try:
+        return chosen_modules(ckpt, variant.weights)
+    except InputError as e:
+        raise InputError(f"variant '{variant.name}': {e}") from None
+
+
 def grid_plan(ckpt: HFCheckpoint, variant) -> Plan:
     """Every tensor in checkpoint order; the chosen decoder Linears' weights quantized on the
     weights' grid, whose groups or blocks must divide their shapes."""
     spec = variant.weights.spec
-    if not ckpt.linear_modules:
-        raise InputError(f"{ckpt.path}: no Linear weights to quantize")
-    try:
-        chosen = chosen_modules(ckpt, variant.weights)
-    except InputError as e:
-        raise InputError(f"variant '{variant.name}': {e}") from None
+    chosen = _targeted(ckpt, variant)
     targets = [f"{m}.weight" for m in chosen]
     for n in targets:
         rows, cols = ckpt.shape(n)

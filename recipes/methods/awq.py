@@ -43,7 +43,7 @@ class AWQ(WeightMethod):
     def fits(self, weights) -> bool:
         return True
 
-    def fit(self, ckpt, variant, windows, report=None, checkpoint=None):
+    def fit(self, ckpt, variant, windows, report=None, checkpoint=None, plan=None):
         w = variant.weights
         return awq_model(ckpt, windows, w.spec, w.settings, modules=chosen_modules(ckpt, w))
 

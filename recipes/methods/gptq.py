@@ -11,8 +11,9 @@ from core.schemes import QuantSpec
 from core.tensors import LayerResult
 from quant.gptq import GPTQSettings
 from quant.gptq_model import gptq_layer, gptq_model
+from recipes.bit_search import grid_label
 from recipes.fields import GridWeights
-from recipes.methods import WeightMethod, chosen_modules, register
+from recipes.methods import SearchesBits, WeightMethod, chosen_modules, register
 
 
 class GPTQWeights(GridWeights):
@@ -35,15 +36,16 @@ class GPTQWeights(GridWeights):
 
 
 @register("gptq")
-class GPTQ(WeightMethod):
+class GPTQ(SearchesBits, WeightMethod):
     weights = GPTQWeights
 
     def fits(self, weights) -> bool:
         return True
 
-    def fit(self, ckpt, variant, windows, report=None, checkpoint=None):
+    def fit(self, ckpt, variant, windows, report=None, checkpoint=None, plan=None):
         w = variant.weights
-        for results in gptq_model(ckpt, windows, w.spec, w.settings, w.targets, w.ignore):
+        specs = plan.specs if plan is not None else {}
+        for results in gptq_model(ckpt, windows, w.spec, w.settings, w.targets, w.ignore, specs):
             yield LayerResult({n: r.tensor for n, r in results.items()}, {},
                               {n.removesuffix(".weight"): r.output_error for n, r in results.items()})
             del results  # not held while the next layer is fitted (an 8B layer's codes: 220 MB)
@@ -56,5 +58,5 @@ class GPTQ(WeightMethod):
         return {"damp_percent": weights.damp, "static_groups": weights.static_groups, "true_sequential": True}
 
     def describe(self, weights) -> str:
-        return (f"gptq {weights.spec.label}" + (" act-order" if weights.act_order else "")
+        return (f"gptq {grid_label(weights)}" + (" act-order" if weights.act_order else "")
                 + (" static-groups" if weights.static_groups else ""))

@@ -108,7 +108,7 @@ class QAT(WeightMethod):
     def fits(self, weights) -> bool:
         return True
 
-    def fit(self, ckpt, variant, windows, report=None, checkpoint=None):
+    def fit(self, ckpt, variant, windows, report=None, checkpoint=None, plan=None):
         w = variant.weights
 
         def on_step(phase: str, step: int, steps: int, loss: float) -> None:

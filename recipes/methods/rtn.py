@@ -13,8 +13,9 @@ from core.schemes import QuantSpec
 from quant.outliers import OutlierRule, mixed_precision_model
 from quant.rtn import quantize_rtn
 from quant.smoothquant import rtn_layer
+from recipes.bit_search import grid_label
 from recipes.fields import GridWeights, Strict
-from recipes.methods import WeightMethod, chosen_modules, finite, register
+from recipes.methods import SearchesBits, WeightMethod, chosen_modules, finite, register
 
 
 class Outliers(Strict):
@@ -39,10 +40,12 @@ class RTNWeights(GridWeights):
 
     @property
     def calibrated(self) -> bool:  # each weights class: whether it needs calibration text
-        return self.outliers is not None
+        return self.outliers is not None or self.searches_bits
 
     @model_validator(mode="after")
     def _group_size_matches_granularity(self) -> "RTNWeights":
+        if self.searches_bits and self.outliers is not None:
+            raise ValueError("outliers (16-bit weight columns) and bits auto do not mix: a checkpoint vLLM loads holds neither")
         sized = self.granularity in ("group", "block")
         if sized and self.group_size is None:
             raise ValueError(f"granularity '{self.granularity}' needs group_size")
@@ -56,19 +59,19 @@ class RTNWeights(GridWeights):
 
 
 @register("rtn")
-class RTN(WeightMethod):
+class RTN(SearchesBits, WeightMethod):
     weights = RTNWeights
 
     def fits(self, weights) -> bool:
         return weights.outliers is not None
 
-    def fit(self, ckpt, variant, windows, report=None, checkpoint=None):
+    def fit(self, ckpt, variant, windows, report=None, checkpoint=None, plan=None):
         w = variant.weights
         return mixed_precision_model(ckpt, windows, w.spec, w.outliers.rule, chosen_modules(ckpt, w))
 
     def quantize(self, ckpt, variant, plan, name, tensor, imatrix):
         if name in plan.quantized:  # on the GPU when there is one (core/device.py), the codes back on the CPU
-            return to_cpu(quantize_rtn(tensor.to(working_device()), variant.weights.spec, name))
+            return to_cpu(quantize_rtn(tensor.to(working_device()), plan.spec(name, variant.weights), name))
         return finite(ckpt, name, tensor)
 
     def layer_quantizer(self, ckpt, weights):
@@ -76,7 +79,7 @@ class RTN(WeightMethod):
         return lambda step: rtn_layer(step, weights.spec, chosen)
 
     def describe(self, weights) -> str:
-        return f"rtn {weights.spec.label}" + (" fp16-outliers" if weights.outliers else "")
+        return f"rtn {grid_label(weights)}" + (" fp16-outliers" if weights.outliers else "")
 
     def pass_label(self, weights) -> str:
         return "outliers"

@@ -1,0 +1,188 @@
+"""``bits: auto``: the recipe fields and their refusals, the grids the knapsack picks within a budget
+of bits per weight, and the mixed checkpoints it writes, read back by transformers (compressed-tensors)
+and GPTQModel (GPTQ ``dynamic``) as the weights that were quantized."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+from rich.progress import Progress
+from safetensors.torch import load_file
+
+from conftest import BUNDLED, SMALL_RECIPE, TINY, write_recipe
+from calib.text import token_windows
+from core.errors import InputError
+from formats.gptq import dynamic_overrides
+from formats.hf import HFCheckpoint, load_tokenizer
+from formats.quantized_folder import fused_name
+from helpers.gptqmodel import assert_read_back_exactly, needs_gptqmodel, read_back
+from recipes.bit_search import grid_bits, searched_grids, smallest_grids
+from recipes.importance import model_imatrix
+from recipes.schema import Variant, load_recipe
+from recipes.variants import build_variant, plan_variant
+
+MIXED_BITS = ["int4-g128", "int8-g128"]
+
+
+@pytest.mark.check
+@pytest.mark.parametrize("weights, exports, message", [
+    ({"method": "gptq", "bits": "four"}, [], "field 'variants[0](v).weights.bits': 'four' is not a width from 2 to 8 bits, nor auto"),
+    ({"method": "gptq", "bits": 4.5}, [], "field 'variants[0](v).weights.bits': Input should be a valid integer"),
+    ({"method": "gptq", "bits": "auto"}, [], "bits auto needs a budget: bpw"),
+    ({"method": "gptq", "bits": "auto", "bpw": 4.5, "group_size": 64}, [], "leave out group_size"),
+    ({"method": "rtn", "bits": "auto", "bpw": 4.5, "granularity": "group"}, [], "leave out granularity"),
+    ({"method": "gptq", "bits": 4, "bpw": 4.5}, [], "bpw, candidates and sensitivity are for bits auto"),
+    ({"method": "gptq", "bits": "auto", "bpw": 5, "candidates": ["int4-g128", "int6-g128"]}, [], "weights.candidates"),
+    ({"method": "rtn", "bits": "auto", "bpw": 5, "outliers": {}}, [], "outliers (16-bit weight columns) and bits auto"),
+    ({"method": "rtn", "bits": "auto", "bpw": 5}, ["awq"], "a awq export holds one grid, not the mix bits auto chooses; "
+                                                             "use compressed-tensors or gptq"),
+])
+def test_recipe_errors_name_the_field(tmp_path, weights, exports, message):
+    variant = {"name": "v", "weights": weights, "exports": exports}
+    with pytest.raises(InputError) as e:
+        load_recipe(write_recipe(tmp_path, dict(SMALL_RECIPE, variants=[variant])))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.check
+def test_bits_auto_is_weight_only(tmp_path):
+    variant = {"name": "v", "weights": {"method": "gptq", "bits": "auto", "bpw": 5}, "activations": {}}
+    with pytest.raises(InputError, match="bits auto chooses weight-only grids"):
+        load_recipe(write_recipe(tmp_path, dict(SMALL_RECIPE, variants=[variant])))
+
+
+def _variant(bpw: float, candidates: list[str] | None = None, method: str = "rtn", exports: tuple[str, ...] = (),
+             sensitivity: str = "proxy") -> Variant:
+    """Ranked by the proxy alone unless asked: the selection tests check the knapsack on it."""
+    weights = {"method": method, "bits": "auto", "bpw": bpw, "sensitivity": sensitivity} | (
+        {"candidates": candidates} if candidates else {})
+    return Variant.model_validate({"name": f"{method}-auto", "weights": weights, "exports": list(exports)})
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    ckpt = HFCheckpoint.open(TINY)
+    windows = token_windows(load_tokenizer(ckpt), BUNDLED / "calib.txt", 256, 4)
+    return ckpt, model_imatrix(ckpt, windows), windows
+
+
+def _searched(ckpt, variant, imatrix, windows=None):
+    return searched_grids(ckpt, variant, ckpt.linear_modules, imatrix, windows, Progress(disable=True))
+
+
+def _bpw(ckpt, specs) -> float:
+    return sum(grid_bits(s, ckpt.shape(n)) for n, s in specs.items()) / sum(np.prod(ckpt.shape(n)) for n in specs)
+
+
+@pytest.mark.check
+def test_a_tighter_budget_keeps_fewer_linears_in_8_bits(tiny):
+    ckpt = tiny[0]
+    eights = []
+    for bpw in (6.5, 5.0):
+        specs = _searched(ckpt, _variant(bpw, MIXED_BITS), tiny[1])
+        assert len(specs) == 7 * ckpt.arch.layers and _bpw(ckpt, specs) <= bpw
+        eights.append(sum(s.bits == 8 for s in specs.values()))
+        by_product: dict[str, set] = {}
+        for name, spec in specs.items():  # vLLM runs q, k and v (gate and up) as one product: one grid
+            by_product.setdefault(fused_name(name.removesuffix(".weight")), set()).add(spec)
+        assert all(len(grids) == 1 for grids in by_product.values())
+    assert eights[0] > eights[1] > 0 and eights[1] < 7 * ckpt.arch.layers
+
+
+@pytest.mark.check
+def test_the_budget_goes_where_the_calibration_inputs_are_large(tiny):
+    """One down_proj whose inputs are 1000 times as large as measured is the one the 8-bit grid goes to
+    when the budget buys exactly one product's upgrade."""
+    ckpt, imatrix, windows = tiny
+    loud = "model.layers.2.mlp.down_proj.weight"
+    imatrix = imatrix | {loud: imatrix[loud] * 1000.0}
+    variant = _variant(16, MIXED_BITS)  # any budget: the smallest grids are what the budget below adds to
+    base = smallest_grids(ckpt, variant, ckpt.linear_modules)
+    count = sum(np.prod(ckpt.shape(n)) for n in base)
+    upgrade = grid_bits(variant.weights.grids[1], ckpt.shape(loud)) - grid_bits(variant.weights.grids[0], ckpt.shape(loud))
+    variant = _variant((_bpw(ckpt, base) * count + upgrade) / count + 1e-9, MIXED_BITS)
+    specs = _searched(ckpt, variant, imatrix)
+    assert [n for n, s in specs.items() if s.bits == 8] == [loud]
+
+
+@pytest.mark.check
+def test_kld_sensitivity_needs_calibration_text(tiny):
+    with pytest.raises(InputError, match="^variant 'rtn-auto': sensitivity kld needs calibration text"):
+        _searched(tiny[0], _variant(5, MIXED_BITS, sensitivity="kld"), tiny[1])
+
+
+@pytest.mark.check
+def test_a_budget_below_the_smallest_mix_is_refused_in_one_line(tiny):
+    with pytest.raises(InputError) as e:
+        plan_variant(tiny[0], _variant(4.0))
+    assert str(e.value) == ("variant 'rtn-auto': a budget of 4 bpw is below the smallest mix of its candidates, "
+                            "4.052 bpw (2.390 MB)")
+
+
+@pytest.mark.check
+def test_gptq_dynamic_regexes_match_each_linear_and_the_product_vllm_names():
+    from core.schemes import QuantSpec
+
+    g128, g32 = QuantSpec(4, True, "group", 128), QuantSpec(4, True, "group", 32)
+    modules = {f"model.layers.0.self_attn.{p}_proj": g32 for p in "qkv"} | {"model.layers.0.self_attn.o_proj": g128,
+                                                                            "model.layers.0.mlp.down_proj": g32}
+    dynamic = dynamic_overrides(modules, g128)
+    assert list(dynamic.values()) == [{"bits": 4, "group_size": 32}] * 2
+
+    def override(name):
+        return next((v for k, v in dynamic.items() if re.match(k.removeprefix("+:"), name)), None)
+    for name in [*modules, "model.layers.0.self_attn.qkv_proj"]:
+        assert override(name) == (None if name.endswith("o_proj") else {"bits": 4, "group_size": 32}), name
+    assert override("model.layers.10.self_attn.q_proj") is None and override("model.layers.0.mlp.down_proj_x") is None
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny, tmp_path_factory):
+    """GPTQ bits auto among 4- and 8-bit grids (each Linear's proxy scaled by its measured KL divergence),
+    written as compressed-tensors, GPTQ and float safetensors."""
+    ckpt, imatrix, windows = tiny
+    out = tmp_path_factory.mktemp("bits")
+    variant = _variant(4.6, ["int4-g32", "int4-g128", "int8-g128"], "gptq", ("safetensors", "compressed-tensors", "gptq"),
+                       sensitivity="kld")
+    built = build_variant(ckpt, variant, out, imatrix=imatrix, calibration=windows)
+    return out / variant.name, built
+
+
+def test_compressed_tensors_holds_a_config_group_per_grid_that_transformers_reads_back(mixed):
+    from compressed_tensors.compressors.base import decompress_module
+    from transformers import AutoModelForCausalLM
+
+    folder, built = mixed
+    groups = json.loads((folder / "compressed-tensors" / "config.json").read_text())["quantization_config"]["config_groups"]
+    grids = {(g["weights"]["num_bits"], g["weights"]["group_size"]) for g in groups.values()}
+    assert len(groups) == len(grids) >= 2 and 8 in {bits for bits, _ in grids}, groups
+    ours = load_file(str(folder / "safetensors" / "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(folder / "compressed-tensors", dtype=torch.float16)
+    read = 0
+    for name, module in model.named_modules():
+        if hasattr(module, "quantization_scheme"):
+            decompress_module(module)
+            assert torch.equal(module.weight.float(), ours[f"{name}.weight"].half().float()), name
+            read += 1
+    assert read == 7 * 6 and "int8-g128-sym" in built.types_chosen
+
+
+@needs_gptqmodel
+def test_gptqmodel_reads_the_dynamic_overrides_back(mixed):
+    folder, _ = mixed
+    config = json.loads((folder / "gptq" / "quantize_config.json").read_text())
+    assert config["dynamic"] and {v["bits"] for v in config["dynamic"].values()} | {config["bits"]} == {4, 8}
+    assert_read_back_exactly(read_back(folder, "gptq"))
+
+
+@pytest.mark.parametrize("export, why", [("compressed-tensors", "more than one config group"),
+                                         ("gptq", "per-module dynamic overrides: Linears on several grids")])
+def test_a_mix_of_grids_as_a_source_is_refused_in_one_line(mixed, export, why):
+    """Our reader of quantized checkpoints (a recipe's model, ``quantize inspect``) takes one grid per file."""
+    from formats.sources import open_checkpoint
+
+    with pytest.raises(InputError) as e:
+        open_checkpoint(mixed[0] / export)
+    assert why in str(e.value) and "\n" not in str(e.value)
