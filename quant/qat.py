@@ -182,12 +182,12 @@ def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict,
 
     A held-out share of the windows is never trained on: every ``check_every`` steps the layer's
     loss on them is measured and the grid with the lowest one so far is kept, the starting grid
-    included, so training never ends worse there than where it began; it stops at a look worse
-    than the starting grid. Block-wise training fits millions of weights to a few thousand
-    positions, and memorises them where they are few (docs/qat.md). A layer's held-out loss is
-    noisy early on, while the rate is high, and falls again as it decays: a stop after some looks
-    without a better one cut the ref model's last layer at 50 of 200 steps and doubled its
-    perplexity increase at W3 g128."""
+    included, so training never ends worse there than where it began. Block-wise training fits
+    millions of weights to a few thousand positions, and memorises them where they are few
+    (docs/qat.md). Training stops at a look worse than the starting grid once half the steps are
+    done. Not before: while the rate is high a layer's held-out loss can jump (Gemma-3-270M's
+    layers rose 2-5x at the first look, then fell far below the start), and stopping after a few
+    looks without a better one cut the ref model's last layer at 50 of 200 steps."""
     trainable = {n: trainable_grid(weights[n], grids[n], settings.learn_scales) for n in grids}
     params = [p for g in trainable.values() for p in g.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
@@ -237,7 +237,7 @@ def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict,
             on_held(i + 1, now)
             if now < best:
                 best, kept = now, _snapshot(params)
-            elif now >= start:
+            elif now >= start and i + 1 >= settings.steps / 2:  # past the rate's peak half: not its noise
                 break
     if len(held):
         _restore(params, kept)
