@@ -209,13 +209,13 @@ def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict,
 
     def held_loss() -> float:
         with torch.no_grad():
-            return sum(loss_on(held[i: i + settings.batch]).item() * len(held[i: i + settings.batch])
-                       for i in range(0, len(held), settings.batch)) / len(held)
+            return sum(loss_on(batch).item() * len(batch) for batch in held.split(settings.batch)) / len(held)
 
-    start = best = held_loss() if len(held) else math.inf
-    if len(held):
+    guarded = len(held) > 0
+    start = best = held_loss() if guarded else math.inf
+    kept = _snapshot(params) if guarded else []
+    if guarded:
         on_held(0, start)
-    kept = _snapshot(params) if len(held) else []
     order = torch.empty(0, dtype=torch.long)
     for i in range(settings.steps):
         optimizer.zero_grad(set_to_none=True)
@@ -230,16 +230,14 @@ def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict,
         optimizer.step()
         schedule.step()
         on_step(i, total)
-        if not len(held):
-            continue
-        if (i + 1) % settings.check_every == 0 or i + 1 == settings.steps:
+        if guarded and ((i + 1) % settings.check_every == 0 or i + 1 == settings.steps):
             now = held_loss()
             on_held(i + 1, now)
             if now < best:
                 best, kept = now, _snapshot(params)
-            elif now >= start and i + 1 >= settings.steps / 2:  # past the rate's peak half: not its noise
+            elif now >= start and i + 1 >= settings.steps / 2:  # the rate under half its peak: no longer its noise
                 break
-    if len(held):
+    if guarded:
         _restore(params, kept)
     return {n: g.quantized() for n, g in trainable.items()}
 
