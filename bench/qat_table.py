@@ -144,8 +144,7 @@ def model_rows(name: str, path: Path, configs: list[tuple[int, int]], args) -> l
                 f"cross {r['cross_ppl']:.3f} ({r['cross_ppl_delta']:+.3f}), kld {r['cross_kld']:.4f}; "
                 f"{run['seconds']:.1f} s, {run['peak_rss_mb']:.0f} MiB")
     if args.gguf:
-        args.model = path
-        rows += [dict(r, model=name) for r in gguf_rows(args, work, texts[""])]
+        rows += [dict(r, model=name) for r in gguf_rows(args, path, work, texts[""])]
     return rows
 
 
@@ -168,7 +167,7 @@ def row(model: str, method: str, bits: int, group: int | None, scores: dict, bas
     return out
 
 
-def gguf_rows(args, work: Path, evaluation) -> list[dict]:
+def gguf_rows(args, model: Path, work: Path, evaluation) -> list[dict]:
     """QAT models as Q4_0 and Q4_K_M GGUF files, against llama.cpp's own Q4_0 and Q4_K_M of the
     original (our GGUF writer's files are byte-identical to llama.cpp's quantizer's), each scored
     by llama.cpp (llama-cpp-python) on the evaluation windows: perplexity and file size."""
@@ -178,7 +177,7 @@ def gguf_rows(args, work: Path, evaluation) -> list[dict]:
     from recipes.pipeline import run_recipe
     from recipes.schema import load_recipe
 
-    recipe = {"model": str(args.model.resolve()),
+    recipe = {"model": str(model.resolve()),
               "evaluation": {"text": str(args.eval.resolve()), "window": 512, "max_windows": 2},
               "calibration": {"text": str(args.calib.resolve()), "window": args.window, "max_windows": args.calib_windows,
                               "seed": args.seed},
@@ -280,12 +279,13 @@ def worker(argv: list[str]) -> None:
         settings = QATSettings(steps=args.steps, lr=args.lr, batch=args.batch, e2e_steps=args.e2e_steps, e2e_lr=args.e2e_lr,
                                holdout=args.holdout, init=args.init)
         args.out.mkdir(parents=True, exist_ok=True)
-        trace = (args.out / "trace.jsonl").open("w")  # training and held-out losses, for docs/qat.md's diagnosis
+        with (args.out / "trace.jsonl").open("w") as trace:  # training and held-out losses, for docs/qat.md's diagnosis
 
-        def on_step(phase: str, step: int, steps: int, loss: float) -> None:
-            trace.write(json.dumps({"phase": phase, "step": step + 1, "loss": loss}) + "\n")
+            def on_step(phase: str, step: int, steps: int, loss: float) -> None:
+                trace.write(json.dumps({"phase": phase, "step": step + 1, "loss": loss}) + "\n")
 
-        fitted = {n: p for layer in qat_model(ckpt, windows, spec, settings, on_step=on_step) for n, p in layer.tensors.items()}
+            fitted = {n: p for layer in qat_model(ckpt, windows, spec, settings, on_step=on_step)
+                      for n, p in layer.tensors.items()}
     seconds = time.perf_counter() - start
     save_dense(ckpt, fitted, args.out / "dense")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
