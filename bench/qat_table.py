@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -139,6 +140,8 @@ def model_rows(name: str, path: Path, configs: list[tuple[int, int]], args) -> l
                 continue
             variant = causal_lm_logprobs(load_dense(out / "dense"))
             scores = {text: score(variant, windows, references[text]) for text, windows in texts.items()}
+            del variant
+            shutil.rmtree(out / "dense")  # up to a GB a variant at 270M; the loss trace stays beside it
             rows.append(r := row(name, method, bits, group, scores, base, run))
             log(f"{name} {method} w{bits}g{group}: ppl {r['ppl']:.3f} ({r['ppl_delta']:+.3f}), kld {r['kld']:.4f}; "
                 f"cross {r['cross_ppl']:.3f} ({r['cross_ppl_delta']:+.3f}), kld {r['cross_kld']:.4f}; "
@@ -198,6 +201,7 @@ def gguf_rows(args, model: Path, work: Path, evaluation) -> list[dict]:
         rows.append(dict(method=f"llama.cpp {name}", bits=None, group_size=None, ppl=ppl, ppl_delta=None, kld=None,
                          top1=None, seconds=None, peak_rss_mb=None, file_mb=gguf.stat().st_size / 1e6))
         log(f"llama.cpp {name}: ppl {ppl:.3f}, {gguf.stat().st_size / 1e6:.2f} MB")
+        gguf.unlink()
     return rows
 
 

@@ -88,18 +88,57 @@ def write_recipe(folder: Path, recipe: dict, name: str = "recipe.yaml") -> Path:
 
 
 @pytest.fixture(scope="session")
-def small_run(tmp_path_factory) -> tuple[Path, dict]:
-    """Run SMALL_RECIPE once through the real pipeline; return (output folder, report.json)."""
+def small_run() -> tuple[Path, dict]:
+    """Run SMALL_RECIPE once through the real pipeline; return (output folder, report.json). Its
+    folder lies outside pytest's base folder, whose module folders are removed as each module ends
+    (below), and is removed when the session ends."""
+    import shutil
+    import tempfile
+
     from rich.console import Console
 
     from recipes.pipeline import run_recipe
     from recipes.schema import load_recipe
 
-    folder = tmp_path_factory.mktemp("small_run")
+    folder = Path(tempfile.mkdtemp(prefix="quantbench-small-run-"))
     recipe = load_recipe(write_recipe(folder, SMALL_RECIPE))
     out = folder / "out"
     run_recipe(recipe, out, Console(quiet=True))
-    return out, json.loads((out / "report.json").read_text())
+    yield out, json.loads((out / "report.json").read_text())
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- disk
+# CI's machine shares its disk and has had under 10 GB free; the suite's module fixtures write
+# models, GGUF files and checkpoints worth over 10 GB in all. So what a module's tests wrote under
+# pytest's base folder is removed when the module ends, unless one of its tests failed (then it
+# is kept to look at). Each test's own tmp_path goes when it passes (pyproject.toml's
+# tmp_path_retention_policy).
+_module_started: dict[str, tuple[set[str], int]] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    module = item.nodeid.split("::")[0]
+    if module not in _module_started:
+        base = item.config._tmp_path_factory.getbasetemp()
+        _module_started[module] = ({p.name for p in base.iterdir()}, item.session.testsfailed)
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # the module's fixtures are torn down by now when nextitem lies in another module
+    module = item.nodeid.split("::")[0]
+    if (nextitem is not None and nextitem.nodeid.split("::")[0] == module) or module not in _module_started:
+        return
+    before, failed = _module_started.pop(module)
+    if item.session.testsfailed == failed:
+        import shutil
+
+        for path in item.config._tmp_path_factory.getbasetemp().iterdir():
+            if path.name not in before:  # a folder, or pytest's "<name>current" link to the newest
+                path.unlink() if path.is_symlink() else shutil.rmtree(path, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- tiers (docs/testing.md)
