@@ -34,7 +34,7 @@ from core.errors import InputError
 from core.rope import llama3_bands
 from formats.hf import HFCheckpoint
 from formats.quantized_checkpoint import QuantizedCheckpoint
-from runner.engine.kernels import fused_decode
+from runner.engine.kernels import decode_kernel
 from runner.engine.kv_cache import KVPool
 from runner.engine.linear import Linear, fused, make_linear
 
@@ -256,15 +256,22 @@ class DecoderModel:
     def _decode_attention(self, q: torch.Tensor, pool: KVPool, layer: int, d: DecodeBatch, window: int | None,
                           kernel: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
         """The decode rows' outputs, [sequences * m, heads, value_dim], from their queries in ``rows``
-        order: by the fused ``kernel`` where there is one, else by torch over the gathered blocks."""
+        order: by the paged ``kernel`` where there is one, else by torch over the gathered blocks."""
+        if kernel is None:
+            return self._gathered_attention(q, pool, layer, d, window)
+        a, (n, m) = self.arch, d.length.shape
+        keys, values = pool.stored(layer)
+        out = kernel(q.view(n, m, a.heads, a.head_dim), keys, values, d.table, d.length, self.scale, window,
+                     a.attn_softcap or None)
+        return out.view(n * m, a.heads, a.value_dim)
+
+    def _gathered_attention(self, q: torch.Tensor, pool: KVPool, layer: int, d: DecodeBatch,
+                            window: int | None) -> torch.Tensor:
+        """``_decode_attention`` by torch: the step's blocks gathered into one batch and scored
+        block by block, a softmax across each sequence's blocks combining them."""
         a, bs = self.arch, pool.block_size
         kv, groups = a.kv_heads[0], a.heads // a.kv_heads[0]
         n, m = d.length.shape
-        if kernel is not None:
-            keys, values = pool.stored(layer)
-            out = kernel(q.view(n, m, a.heads, a.head_dim), keys, values, d.table, d.length, self.scale, window,
-                         a.attn_softcap or None)
-            return out.view(n * m, a.heads, a.value_dim)
         width = m * groups  # the queries each block is scored against, per key-value head
         keys, values = pool.blocks(layer, d.ids)  # [blocks, kv, bs, dim], as the pool lays them out
         nb = d.ids.numel()
@@ -311,12 +318,8 @@ class DecoderModel:
 
 
 def _fused_kernel(pool: KVPool) -> Callable[..., torch.Tensor] | None:
-    """The fused paged decode-attention kernel where it runs (CUDA, a float cache, Triton), else None."""
-    if not fused_decode(pool.device, pool.cache):
-        return None
-    from runner.engine.kernels.paged_attention import paged_decode_attention
-
-    return paged_decode_attention
+    """The paged decode-attention kernel for the pool (Triton on CUDA, C on a CPU), else None."""
+    return decode_kernel(pool.device, pool.cache)
 
 
 def _outputs(layers: list[Linear], x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

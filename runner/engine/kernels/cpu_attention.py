@@ -1,0 +1,95 @@
+"""Decode attention over the paged KV cache on a CPU, by a small C kernel (``cpu_attention.c``).
+
+torch's path (``model.py``) gathers every decoding sequence's blocks into one batch each layer and
+scores them with many small matrix products; on a CPU that was about half of a step at 16
+sequences (the issue 35 profile). The C kernel reads each key and value where it lies, through the
+block table, as the GPU's Triton kernel does.
+
+It is compiled on first use by the machine's C compiler (``cc``, or ``$CC``) for the machine it runs
+on (``-march=native``), into ``~/.cache/quantbench/kernels`` under a name that hashes the source,
+the flags and the CPU, and loaded with ctypes: no torch headers, so the build takes about a second.
+OpenMP comes from the libgomp torch has already loaded (the same soname), so the kernel's threads
+are torch's. Where no compiler works, ``kernel()`` is None and the torch path runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import warnings
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_suffix(".c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the float caches it reads
+_i64, _f32 = ctypes.c_int64, ctypes.c_float
+_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [_i64] * 6 + [ctypes.c_void_p, _i64, ctypes.c_void_p, ctypes.c_void_p] \
+    + [ctypes.c_int] * 7 + [_f32, ctypes.c_int, _f32, ctypes.c_int]
+
+
+def _cpu_name() -> str:
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("model name", "flags")))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC", "cc")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), platform.machine().encode(),
+                                     _cpu_name().encode()])).hexdigest()[:16]
+    folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "quantbench" / "kernels"
+    built = folder / f"cpu_attention-{key}.so"
+    try:
+        if not built.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=folder) as work:  # built aside, then renamed: never half a file
+                out = Path(work) / built.name
+                subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], check=True, capture_output=True,
+                               text=True, timeout=120)
+                os.replace(out, built)
+        lib = ctypes.CDLL(str(built))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", None) or e
+        warnings.warn(f"the CPU decode-attention kernel did not build ({str(detail).strip()[:300]}); torch's path runs",
+                      stacklevel=2)
+        return None
+    lib.paged_decode_attention.argtypes = _ARGS
+    lib.paged_decode_attention.restype = None
+    return lib
+
+
+def available(cache_dtype: torch.dtype) -> bool:
+    """Whether the kernel runs over a cache stored as ``cache_dtype`` on this machine."""
+    return cache_dtype in KINDS and _library() is not None
+
+
+def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
+                           lengths: torch.Tensor, scale: float, window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
+    """Attention outputs, float32 ``[seqs, m, heads, value_dim]``, of ``q`` ``[seqs, m, heads, dim]``
+    over one layer's ``keys`` ``[blocks, kv_heads, block_size, dim]`` and ``values`` (``value_dim``):
+    sequence ``s`` reads blocks ``table[s, :]`` and its row ``r`` sees its first ``lengths[s, r]``
+    positions (the last ``window`` of them where there is a window). The GPU kernel's contract."""
+    seqs, m, heads, dim = q.shape
+    _, kv, block, _ = keys.shape
+    vdim = values.shape[-1]
+    if keys.stride(-1) != 1 or values.stride(-1) != 1 or keys.dtype != values.dtype:
+        raise ValueError("keys and values: one float dtype, each row contiguous")
+    q = q.to(torch.float32).contiguous()
+    table, lengths = table.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
+    out = torch.empty(seqs, m, heads, vdim, dtype=torch.float32)
+    _library().paged_decode_attention(
+        q.data_ptr(), keys.data_ptr(), values.data_ptr(), KINDS[keys.dtype], *keys.stride()[:3], *values.stride()[:3],
+        table.data_ptr(), table.shape[1], lengths.data_ptr(), out.data_ptr(),
+        seqs, m, heads, kv, dim, vdim, block, scale, window or 0, softcap or 0.0, torch.get_num_threads())
+    return out
