@@ -319,7 +319,7 @@ class DecoderModel:
 
 def _fused_kernel(pool: KVPool) -> Callable[..., torch.Tensor] | None:
     """The paged decode-attention kernel for the pool (Triton on CUDA, C on a CPU), else None."""
-    return decode_kernel(pool.device, pool.cache)
+    return decode_kernel(pool.device, pool.cache, (pool.keys.codes.shape[-1], pool.values.codes.shape[-1]))
 
 
 def _outputs(layers: list[Linear], x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

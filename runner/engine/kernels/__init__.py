@@ -22,9 +22,10 @@ def fused_decode(device: torch.device, cache: str) -> bool:
     return TRITON and device.type == "cuda" and cache in FUSED_CACHES
 
 
-def decode_kernel(device: torch.device, cache: str) -> Callable[..., torch.Tensor] | None:
-    """The paged decode-attention kernel for a ``cache`` pool on ``device`` (one contract:
-    paged_attention.paged_decode_attention's), or None where torch's gathered attention runs."""
+def decode_kernel(device: torch.device, cache: str, head_sizes: tuple[int, int]) -> Callable[..., torch.Tensor] | None:
+    """The paged decode-attention kernel for a ``cache`` pool on ``device`` whose keys and values
+    have ``head_sizes`` (one contract: paged_attention.paged_decode_attention's), or None where
+    torch's gathered attention runs."""
     if fused_decode(device, cache):
         from runner.engine.kernels.paged_attention import paged_decode_attention
 
@@ -32,6 +33,6 @@ def decode_kernel(device: torch.device, cache: str) -> Callable[..., torch.Tenso
     if device.type == "cpu" and cache in CPU_CACHES:
         from runner.engine.kernels import cpu_attention
 
-        if cpu_attention.available(CPU_CACHES[cache]):
+        if cpu_attention.available(CPU_CACHES[cache], head_sizes):
             return cpu_attention.paged_decode_attention
     return None

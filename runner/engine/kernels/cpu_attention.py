@@ -68,9 +68,10 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def available(cache_dtype: torch.dtype) -> bool:
-    """Whether the kernel runs over a cache stored as ``cache_dtype`` on this machine."""
-    return cache_dtype in KINDS and _library() is not None
+def available(cache_dtype: torch.dtype, head_sizes: tuple[int, int] = (64, 64)) -> bool:
+    """Whether the kernel runs over a cache stored as ``cache_dtype`` with keys and values of
+    ``head_sizes`` on this machine (it computes on vectors of 16 floats)."""
+    return cache_dtype in KINDS and all(size % 16 == 0 for size in head_sizes) and _library() is not None
 
 
 def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
@@ -83,8 +84,8 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     seqs, m, heads, dim = q.shape
     _, kv, block, _ = keys.shape
     vdim = values.shape[-1]
-    if keys.stride(-1) != 1 or values.stride(-1) != 1 or keys.dtype != values.dtype:
-        raise ValueError("keys and values: one float dtype, each row contiguous")
+    if keys.stride(-1) != 1 or values.stride(-1) != 1 or keys.dtype != values.dtype or dim % 16 or vdim % 16:
+        raise ValueError("keys and values: one float dtype, each row contiguous, head sizes multiples of 16")
     q = q.to(torch.float32).contiguous()
     table, lengths = table.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
     out = torch.empty(seqs, m, heads, vdim, dtype=torch.float32)
