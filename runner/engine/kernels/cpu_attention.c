@@ -32,12 +32,24 @@ static inline v16 load16(const float *p) {
 
 static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 
-static inline float sum16(v16 v) {
-    v += __builtin_shuffle(v, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    v += __builtin_shuffle(v, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    v += __builtin_shuffle(v, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    v += __builtin_shuffle(v, (v16i){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-    return v[0];
+/* Lane i: the sum of the lanes of d[j], j being i with its 4 bits reversed (each d[j] lands in
+ * the lane its place in the folding tree gives it; callers store into d[REVERSED[i]]). Four
+ * rounds of pairwise folds: 30 shuffles for 16 sums, where summing each vector alone takes 64. */
+static const int REVERSED[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+static inline v16 sums16(const v16 *d) {
+    v16 e[8], f[4], g[2];
+    for (int k = 0; k < 8; k++)
+        e[k] = __builtin_shuffle(d[2 * k], d[2 * k + 1], (v16i){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23})
+             + __builtin_shuffle(d[2 * k], d[2 * k + 1], (v16i){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+    for (int k = 0; k < 4; k++)
+        f[k] = __builtin_shuffle(e[2 * k], e[2 * k + 1], (v16i){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27})
+             + __builtin_shuffle(e[2 * k], e[2 * k + 1], (v16i){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+    for (int k = 0; k < 2; k++)
+        g[k] = __builtin_shuffle(f[2 * k], f[2 * k + 1], (v16i){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29})
+             + __builtin_shuffle(f[2 * k], f[2 * k + 1], (v16i){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+    return __builtin_shuffle(g[0], g[1], (v16i){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30})
+         + __builtin_shuffle(g[0], g[1], (v16i){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
 }
 
 /* `rows` rows of `n` values each, `stride` elements apart in `src`, widened into dst [rows][n] */
@@ -102,12 +114,12 @@ struct args {
     float softcap;
 };
 
-/* scratch: keys/values of a block [block][max(D, VD)], scores [rows][block], and per row its
+/* scratch: keys/values of a block [block][max(D, VD)], scores [rows][block rounded up to 16], and per row its
  * running maximum, sum and weighted values [rows][VD] */
 static inline __attribute__((always_inline)) void task(const struct args *a, int s, int h, const int D, const int VD,
                                                        float *kvbuf, float *scores, float *run_max, float *run_sum,
                                                        float *acc) {
-    const int groups = a->heads / a->kv, rows = a->m * groups, block = a->block;
+    const int groups = a->heads / a->kv, rows = a->m * groups, block = a->block, stride = (block + 15) / 16 * 16;
     const size_t esize = elem_size(a->kind);
     const int64_t *len = a->lengths + (int64_t)s * a->m;
     int64_t longest = 0, shortest = INT64_MAX;
@@ -129,11 +141,16 @@ static inline __attribute__((always_inline)) void task(const struct args *a, int
             const float *qi = a->q + (((int64_t)s * a->m + i / groups) * a->heads + h * groups + i % groups) * D;
             v16 qv[D / 16];
             for (int c = 0; c < D / 16; c++) qv[c] = load16(qi + 16 * c);
-            float *si = scores + (size_t)i * block;
-            for (int t = 0; t < slots; t++) {
-                v16 dot = qv[0] * load16(kvbuf + (size_t)t * D);
-                for (int c = 1; c < D / 16; c++) dot += qv[c] * load16(kvbuf + (size_t)t * D + 16 * c);
-                si[t] = sum16(dot) * a->scale;
+            float *si = scores + (size_t)i * stride;
+            for (int t0 = 0; t0 < slots; t0 += 16) { /* 16 keys' products, then their sums at once */
+                v16 dots[16];
+                for (int j = 0; j < 16; j++) {
+                    const float *k = kvbuf + (size_t)(t0 + j < slots ? t0 + j : t0) * D;
+                    v16 dot = qv[0] * load16(k);
+                    for (int c = 1; c < D / 16; c++) dot += qv[c] * load16(k + 16 * c);
+                    dots[REVERSED[j]] = dot;
+                }
+                store16(si + t0, sums16(dots) * a->scale);
             }
             if (a->softcap > 0.0f)
                 for (int t = 0; t < slots; t++) si[t] = a->softcap * tanhf(si[t] / a->softcap);
@@ -163,7 +180,7 @@ static inline __attribute__((always_inline)) void task(const struct args *a, int
         widen((const char *)a->values + (size_t)(id * a->v_block + h * a->v_head) * esize, a->kind, a->v_slot, slots, VD, kvbuf);
         for (int i = 0; i < rows; i++) {
             float *ai = acc + (size_t)i * VD;
-            const float *wi = scores + (size_t)i * block;
+            const float *wi = scores + (size_t)i * stride;
             v16 av[VD / 16];
             for (int c = 0; c < VD / 16; c++) av[c] = load16(ai + 16 * c);
             for (int t = 0; t < slots; t++) {
@@ -192,12 +209,12 @@ void paged_decode_attention(const float *q, const void *keys, const void *values
                             float scale, int window, float softcap, int threads) {
     const struct args a = {q, keys, values, kind, k_block, k_head, k_slot, v_block, v_head, v_slot,
                            table, table_width, lengths, out, n, m, heads, kv, block, scale, window, softcap};
-    const int rows = m * (heads / kv), wide = dim > vdim ? dim : vdim;
+    const int rows = m * (heads / kv), wide = dim > vdim ? dim : vdim, stride = (block + 15) / 16 * 16;
 #pragma omp parallel num_threads(threads)
     {
-        float *kvbuf = malloc(sizeof(float) * ((size_t)block * wide + (size_t)rows * block + 2 * (size_t)rows
+        float *kvbuf = malloc(sizeof(float) * ((size_t)block * wide + (size_t)rows * stride + 2 * (size_t)rows
                                                + (size_t)rows * vdim));
-        float *scores = kvbuf + (size_t)block * wide, *run_max = scores + (size_t)rows * block;
+        float *scores = kvbuf + (size_t)block * wide, *run_max = scores + (size_t)rows * stride;
         float *run_sum = run_max + rows, *acc = run_sum + rows;
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int s = 0; s < n; s++) {
