@@ -106,11 +106,15 @@ def main() -> None:
         print_table(rows, args)
 
 
-def add_window_arguments(parser: argparse.ArgumentParser, calib_windows: int, eval_windows: int | None) -> None:
-    """The model, its texts and the windows drawn from them, as every table of methods takes them."""
-    parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--calib", type=Path, required=True)
-    parser.add_argument("--eval", type=Path, required=True)
+def add_window_arguments(parser: argparse.ArgumentParser, calib_windows: int, eval_windows: int | None,
+                         texts: tuple[Path, Path] | None = None, model: bool = True) -> None:
+    """The model (unless the table takes several its own way), its texts (required unless
+    ``texts`` gives the calibration and evaluation defaults) and the windows drawn from them, as
+    every table of methods takes them."""
+    if model:
+        parser.add_argument("--model", type=Path, required=True)
+    for flag, default in zip(("--calib", "--eval"), texts or (None, None)):
+        parser.add_argument(flag, type=Path, required=default is None, default=default)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--calib-windows", type=int, default=calib_windows)
     parser.add_argument("--window", type=int, default=512)

@@ -46,7 +46,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ptq_table import load_dense, log, save_dense  # noqa: E402  (bench/ is this script's folder)
+from ptq_table import add_window_arguments, load_dense, log, save_dense  # noqa: E402  (bench/ is this script's folder)
 
 METHODS = ("rtn", "gptq", "qat", "torchao-qat")
 SHARED = REPO.parent / "shared"
@@ -58,14 +58,9 @@ def main() -> None:
         return worker(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "ref", "smollm2", "gemma3"])
-    parser.add_argument("--calib", type=Path, default=SHARED / "data" / "calib.txt")
-    parser.add_argument("--eval", type=Path, default=SHARED / "data" / "eval.txt")
+    add_window_arguments(parser, calib_windows=32, eval_windows=16, model=False,
+                         texts=(SHARED / "data" / "calib.txt", SHARED / "data" / "eval.txt"))
     parser.add_argument("--cross", type=Path, default=CROSS, help="evaluation text of another domain than --calib")
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--calib-windows", type=int, default=32)
-    parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--configs", nargs="*", default=["4:128", "3:128", "2:64"], help="bits:group_size (none: only --gguf)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--lr", type=float, default=0.02)
