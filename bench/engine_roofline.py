@@ -18,7 +18,8 @@ On a CPU (``--threads``, default 2):
 - ``workload``: the fixed 32-request workload of bench/runner_speed.py on the shared ref model,
   ours (16 at a time) against vLLM's CPU build offline (``bash bench/anchors/setup.sh vllm``).
   vLLM starts once (a minute or two) and runs the workload ``--repeats`` times; ours runs once
-  before it and the rest after. Target: >= 1.3x.
+  before it and the rest after, each time beside ours with torch's gathered decode attention in
+  place of the C kernel (kernels/cpu_attention.c), to show what the kernel buys. Target: >= 1.3x.
 
 On a GPU (``--sections gpu``), one prepared script of about 6 minutes:
 
@@ -185,15 +186,31 @@ def cpu_workload(rows: Rows, work: Path, threads: int, repeats: int) -> dict[str
     model = REPO.parent / "shared" / "models" / "ref"
     if not model.exists():
         model = REPO / "recipes" / "bundled" / "tiny"
+    from runner.engine import model as engine_model
+
+    def gathered() -> float:
+        """Ours with torch's gathered decode attention in place of the C kernel."""
+        kernel = engine_model._fused_kernel
+        engine_model._fused_kernel = lambda pool: None
+        try:
+            return runner_speed.ours(model, 16)["tokens_per_s"]
+        finally:
+            engine_model._fused_kernel = kernel
+
     prompts, outputs = runner_speed.workload(LLM(model, dtype="bf16", kv_memory=64 * 2**20))
-    ours = [runner_speed.ours(model, 16)["tokens_per_s"]]
+    ours, torch_attention = [runner_speed.ours(model, 16)["tokens_per_s"]], [gathered()]
     vllm = runner_speed.vllm(model, prompts, outputs, threads, work, repeats=repeats)
-    ours += [runner_speed.ours(model, 16)["tokens_per_s"] for _ in range(repeats - 1)]
+    for _ in range(repeats - 1):
+        ours.append(runner_speed.ours(model, 16)["tokens_per_s"])
+        torch_attention.append(gathered())
     rows.add("32 requests, ours (16 at a time)", {"tokens_per_s": statistics.median(ours), "runs": ours})
+    rows.add("32 requests, ours with torch's gathered attention", {"tokens_per_s": statistics.median(torch_attention),
+                                                                    "runs": torch_attention})
     rows.add("32 requests, vLLM CPU offline", vllm)
+    ratios = {"32 requests, C attention kernel vs torch's": statistics.median(ours) / statistics.median(torch_attention)}
     if isinstance(vllm, str):
-        return {}
-    return {"32 requests vs vLLM CPU (target >= 1.3)": statistics.median(ours) / vllm["tokens_per_s"]}
+        return ratios
+    return ratios | {"32 requests vs vLLM CPU (target >= 1.3)": statistics.median(ours) / vllm["tokens_per_s"]}
 
 
 def main() -> None:
