@@ -82,11 +82,11 @@ class _Store:
     def _rows(store: torch.Tensor, layer: int) -> torch.Tensor:
         return store[layer].view(-1, store.shape[-1])
 
-    def get(self, layer: int, *index) -> torch.Tensor:
-        """Dequantized entries: of whole blocks (``index``: block ids; index_select, several times as
-        fast as advanced indexing on a CPU), or of slots (``block, :, offset``)."""
+    def get(self, layer: int, blocks: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Dequantized entries of whole ``blocks`` (ids), or at ``rows`` (``KVPool.where``), each by
+        index_select: several times as fast as advanced indexing on a CPU."""
         def pick(t: torch.Tensor) -> torch.Tensor:
-            return torch.index_select(t[layer], 0, index[0]) if len(index) == 1 else t[layer][index]
+            return torch.index_select(t[layer], 0, blocks) if rows is None else torch.index_select(self._rows(t, layer), 0, rows)
 
         codes = pick(self.codes)
         if self.cache in FLOAT_CACHES or self.cache == "fp8":
@@ -131,7 +131,7 @@ class KVPool:
 
     def blocks(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of whole blocks ``ids``: [len(ids), kv_heads, block_size, dim]."""
-        return self.keys.get(layer, ids), self.values.get(layer, ids)
+        return self.keys.get(layer, blocks=ids), self.values.get(layer, blocks=ids)
 
     def stored(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's keys and values as stored, [num_blocks, kv_heads, block_size, dim] (for a float
@@ -140,8 +140,8 @@ class KVPool:
 
     def slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at ``slots`` (any shape): [*slots.shape, kv_heads, dim]."""
-        block, offset = slots // self.block_size, slots % self.block_size
-        return self.keys.get(layer, block, slice(None), offset), self.values.get(layer, block, slice(None), offset)
+        rows, shape = self.where(slots.flatten()), (*slots.shape, self.kv_heads, -1)
+        return self.keys.get(layer, rows=rows).view(shape), self.values.get(layer, rows=rows).view(shape)
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """Queries in the space the keys are stored in (for q8_0/q4_0 keys: reordered, rotated and
