@@ -55,30 +55,39 @@ def run(
 @app.command()
 def export(
     model: Path = typer.Argument(..., help="Hugging Face model folder (config.json, *.safetensors, tokenizer) or id (org/name[@revision]), a GPTQ/AWQ/compressed-tensors/bitsandbytes folder, or a GGUF file."),
-    gguf: str = typer.Option(..., "--gguf", help="GGUF file type: F32 F16 BF16 Q8_0 Q6_K Q5_K_M Q5_K_S Q4_K_M Q4_K_S Q3_K_L Q3_K_M Q3_K_S Q2_K Q2_K_S Q5_1 Q5_0 Q4_1 Q4_0 IQ4_NL IQ4_XS IQ3_S IQ3_M IQ3_XS IQ3_XXS IQ2_M IQ2_S IQ2_XS IQ2_XXS IQ1_S IQ1_M TQ1_0 TQ2_0 MXFP4_MOE."),
+    gguf: str = typer.Option(..., "--gguf", help="GGUF file type: F32 F16 BF16 Q8_0 Q6_K Q5_K_M Q5_K_S Q4_K_M Q4_K_S Q3_K_L Q3_K_M Q3_K_S Q2_K Q2_K_S Q5_1 Q5_0 Q4_1 Q4_0 IQ4_NL IQ4_XS IQ3_S IQ3_M IQ3_XS IQ3_XXS IQ2_M IQ2_S IQ2_XS IQ2_XXS IQ1_S IQ1_M TQ1_0 TQ2_0 MXFP4_MOE, or auto (each tensor's type chosen within --bpw or --size)."),
     out: Path = typer.Option(..., "--out", "-o", help="Output .gguf file (an Ollama Modelfile is written beside it)."),
-    imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix: a llama.cpp imatrix file (.gguf or .dat), or a calibration text to compute one from."),
+    imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix: a llama.cpp imatrix file (.gguf or .dat), or a calibration text to compute one from (with --gguf auto, also to measure each tensor's KL divergence on)."),
+    bpw: Optional[float] = typer.Option(None, "--bpw", help="With --gguf auto: the budget in bits per weight of tensor data."),
+    size: Optional[str] = typer.Option(None, "--size", help="With --gguf auto: the budget in bytes of tensor data, e.g. 4.2GB."),
 ) -> None:
-    """Convert a checkpoint to a GGUF file in one step, as llama.cpp's converter and quantizer would (from a GGUF file: a tensor whose type stays keeps its bytes)."""
+    """Convert a checkpoint to a GGUF file in one step, as llama.cpp's converter and quantizer would (from a GGUF file: a tensor whose type stays keeps its bytes), or in the mix of types that loses least within a budget (--gguf auto)."""
     from formats.outputs import Outputs, check_output_path
     from formats.sources import open_checkpoint
-    from core.file_types import FILE_TYPES
-    from recipes.importance import load_or_compute_imatrix
+    from calib.text import token_windows
+    from core.file_types import AUTO, FILE_TYPES
+    from formats.hf import load_tokenizer
+    from recipes.importance import is_imatrix_file, load_or_compute_imatrix
+    from recipes.kld_gains import GAIN_WINDOWS
     from recipes.pipeline import progress_bar
     from recipes.variants import build_variant, export_paths, gguf_variant, plan_variant
 
-    file_type = gguf.upper()
-    if file_type not in FILE_TYPES:
-        raise InputError(f"--gguf {gguf}: unknown GGUF file type (choose from {', '.join(FILE_TYPES)})")
-    variant = gguf_variant(file_type, imatrix is not None)
+    file_type = AUTO if gguf.lower() == AUTO else gguf.upper()
+    if file_type not in FILE_TYPES and file_type != AUTO:
+        raise InputError(f"--gguf {gguf}: unknown GGUF file type (choose from {', '.join(FILE_TYPES)}, or auto)")
+    if file_type != AUTO and (bpw is not None or size is not None):
+        raise InputError("--bpw and --size are budgets for --gguf auto")
+    text = imatrix if imatrix is not None and imatrix.is_file() and not is_imatrix_file(imatrix) else None
+    variant = gguf_variant(file_type, imatrix is not None, bpw=bpw, size=size, measured=text is not None)
     ckpt = open_checkpoint(model)
     for path in export_paths(ckpt, variant, out.parent, gguf_path=out).values():
         check_output_path(path, folder=False)
     plan_variant(ckpt, variant, imatrix is not None)
     with progress_bar(console) as progress, Outputs() as outputs:  # the .gguf and its Modelfile appear together
         importance = load_or_compute_imatrix(ckpt, imatrix, progress) if imatrix is not None else None
+        windows = token_windows(load_tokenizer(ckpt), text, 512, GAIN_WINDOWS) if file_type == AUTO and text else None
         built = build_variant(ckpt, variant, out.parent, progress, imatrix=importance, gguf_path=out,
-                              outputs=outputs)
+                              calibration=windows, outputs=outputs)
         outputs.commit()
     stdout.print(escape(f"{out}: {file_type}, {out.stat().st_size / 2**20:.2f} MiB, {built.bits_per_weight:.3f} bits per weight"))
 

@@ -37,11 +37,17 @@ def compute_imatrix(ckpt: HFCheckpoint, text: Path, progress: Progress, max_wind
     return means, windows.numel()
 
 
+def is_imatrix_file(path: Path) -> bool:
+    """Whether ``--imatrix PATH`` names llama.cpp's importance matrix (GGUF or legacy .dat) rather
+    than a calibration text to compute one from."""
+    return is_gguf_file(path) or path.suffix == ".dat"
+
+
 def load_or_compute_imatrix(ckpt: HFCheckpoint, path: Path, progress: Progress) -> Imatrix:
     """An imatrix file (GGUF or legacy .dat, by GGUF tensor names) or one computed from a text."""
     if not path.is_file():
         raise InputError(f"{path}: --imatrix file not found")
-    if is_gguf_file(path) or path.suffix == ".dat":
+    if is_imatrix_file(path):
         by_gguf = read_imatrix(path)
         by_hf = {gguf_name(n, ckpt.arch): n for n in ckpt.names if gguf_name(n, ckpt.arch)}
         unknown = sorted(set(by_gguf) - set(by_hf))

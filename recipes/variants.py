@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from rich.progress import Progress
 
 from core.device import overlap_workers
 from core.errors import InputError
+from core.file_types import AUTO
 from core.overlap import Behind, ordered_map
 from core.tensors import TensorPayload, dequantized
 from formats.checkpoint_format import CheckpointFormat, ExportContents, Writer
@@ -230,6 +232,14 @@ def _numel(shape: tuple[int, ...]) -> int:
     return int(torch.Size(shape).numel())
 
 
-def gguf_variant(file_type: str, imatrix: bool = False) -> Variant:
-    """The variant behind ``quantize export --gguf TYPE``."""
-    return Variant(name=file_type, weights=GGUFWeights(method="gguf", type=file_type, imatrix=imatrix), exports=["gguf"])
+def gguf_variant(file_type: str, imatrix: bool = False, bpw: float | None = None, size: str | None = None,
+                 measured: bool = False) -> Variant:
+    """The variant behind ``quantize export --gguf TYPE`` (``auto``: within ``bpw`` or ``size``,
+    each tensor's proxy scaled by its measured KL divergence where ``measured``: with a text to
+    measure it on)."""
+    try:
+        weights = GGUFWeights(method="gguf", type=file_type, imatrix=imatrix, bpw=bpw, size=size,
+                              sensitivity=None if file_type != AUTO else "kld" if measured else "proxy")
+    except ValidationError as e:
+        raise InputError(f"--gguf {file_type}: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+    return Variant(name=file_type, weights=weights, exports=["gguf"])

@@ -188,3 +188,33 @@ def test_measured_mix_beats_q4_k_s_at_its_size(tiny):
     f32 = build_variant(ckpt, gguf_variant("F32"), folder, gguf_path=folder / "f32-kld.gguf").files[0]
     tokens = load_tokenizer(ckpt)(EVAL_TEXT.read_text(), add_special_tokens=False)["input_ids"][: 4 * 256]
     assert llama_cpp_added_kld(f32, auto, tokens) <= 0.9 * llama_cpp_added_kld(f32, fixed, tokens)
+
+
+def test_export_command_writes_the_auto_mix_a_recipe_variant_writes(tiny, monkeypatch, capsys, tmp_path):
+    """``quantize export --gguf auto --bpw 4.5 --imatrix FILE``: with an importance-matrix file (no
+    text to measure on) the proxy ranks the tensors, and the file is byte for byte the recipe
+    variant's ``{type: auto, bpw: 4.5, imatrix: true, sensitivity: proxy}`` from the same matrix."""
+    from helpers.cli import quantize
+
+    ckpt, folder, _, _ = tiny
+    out = tmp_path / "auto.gguf"
+    code, stdout, err = quantize(monkeypatch, capsys, "export", TINY, "--gguf", "auto", "--bpw", "4.5",
+                                 "--imatrix", folder / "imatrix.gguf", "-o", out)
+    assert code == 0, err
+    assert "auto" in stdout and "bits per weight" in stdout
+    recipe = _auto(tiny, "budget", bpw=4.5, sensitivity="proxy").files[0]
+    assert out.read_bytes() == recipe.read_bytes()
+
+
+@pytest.mark.check
+@pytest.mark.parametrize("args, message", [
+    (["--gguf", "auto"], "--gguf auto: type auto needs exactly one budget"),
+    (["--gguf", "auto", "--bpw", "4", "--size", "1MB"], "--gguf auto: type auto needs exactly one budget"),
+    (["--gguf", "auto", "--size", "lots"], "'lots' is not a size"),
+    (["--gguf", "Q4_K_M", "--bpw", "4"], "--bpw and --size are budgets for --gguf auto"),
+])
+def test_export_command_refuses_a_bad_budget_in_one_line(monkeypatch, capsys, tmp_path, args, message):
+    from helpers.cli import assert_user_error, quantize
+
+    assert_user_error(quantize(monkeypatch, capsys, "export", TINY, *args, "-o", tmp_path / "m.gguf"), message)
+    assert not (tmp_path / "m.gguf").exists()
