@@ -19,6 +19,7 @@ SUBSYSTEMS = {
     "a K-quant file byte for byte against llama.cpp's quantizer": ("test_gguf_exact", "test_every_tensor_matches_llama_quantize"),
     "a recipe end to end on the bundled model": ("test_pipeline", "test_rerun_keeps_finished_variants_and_redoes_what_changed"),
     "the engine's greedy tokens against transformers": ("test_engine", "test_greedy_tokens_equal_transformers_generate"),
+    "the CPU decode-attention kernel against float64 attention": ("test_cpu_attention", "test_the_kernel_computes_attention_over_the_blocks_where_they_lie"),
     "the server under the openai client": ("test_server", "test_a_completion_is_what_the_engine_computes"),
     "damaged GGUF files refused in one line": ("test_damaged_files", "test_inspect_refuses_what_llama_cpp_refuses"),
     "damaged safetensors headers refused in one line": ("test_damaged_files", "test_damaged_safetensors_headers_get_one_line"),
