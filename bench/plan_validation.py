@@ -20,11 +20,12 @@ run three times, each run after its own calibration (below); the medians of the 
 the three predictions and of the three ratios are reported.
 
 The planner is given the machine as a ``custom:MEM,BANDWIDTH,TFLOPS`` device, its read bandwidth
-and bf16 matmul FLOPs measured in the same run, and each engine's three efficiency constants,
+and bf16 matmul FLOPs measured in the same run, and each engine's efficiency constants,
 calibrated from micro-runs of that server just before each run of its loads, on other prompts
 (``calibrate``, medians of seven): a step's fixed overhead and its cost per sequence (TPOT of 1
-and of 16 requests decoding together), and the share of the matmul peak a step carrying a prompt
-reaches (TTFT of a prompt of the loads' length sent while 16 requests decode). So the rows test
+and of 16 requests decoding together), and the share of the matmul peak a step carrying prompts
+reaches, at two sizes (TTFT of one prompt of the loads' length, and of four sent at once, while
+16 requests decode), between which the planner interpolates. So the rows test
 the serving model (how many prompts share a step, the wait for the step under way, the closed
 loop's decode batch) and the roofline's scaling with the batch, not the constants themselves.
 
@@ -43,7 +44,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,6 +70,7 @@ TOLERANCE = 0.25
 CALIBRATION_DECODE = (16, 65)  # prompt, answer of the decode micro-runs
 CALIBRATION_BATCHES = (1, 16)  # requests decoding together in them (one at a time, then all at once)
 BACKGROUND_ANSWER = 400  # tokens the 16 requests decode while the calibration prompts are timed
+TOGETHER = 4  # prompts sent at once for the matmul rate's second point
 
 
 def matmul_flops(threads: int, n: int = 2048) -> float:
@@ -137,19 +139,21 @@ async def _while_decoding(url: str, background: list[tuple[list[int], int]], pro
         crowd = [asyncio.create_task(stream_one(client, p, n)) for p, n in background]
         await asyncio.sleep(0.5)  # their prompts are in, they decode
         ttft = []
-        for prompt in prompts:
-            r = await stream_one(client, prompt, 1)
-            if r["outcome"] != "done":
-                raise RuntimeError(f"a calibration prompt: {r['outcome']}")
+        for group in prompts:
+            answers = await asyncio.gather(*(stream_one(client, prompt, 1) for prompt in group))
+            for r in answers:
+                if r["outcome"] != "done":
+                    raise RuntimeError(f"a calibration prompt: {r['outcome']}")
             if not any(t.done() for t in crowd):
-                ttft.append(r["ttft_s"])
+                ttft.append(statistics.median(r["ttft_s"] for r in answers))
         await asyncio.gather(*crowd)
     return ttft
 
 
-def while_decoding(url: str, background: list[tuple[list[int], int]], prompts: list[list[int]]) -> list[float]:
-    """TTFT of each of ``prompts``, sent one after another while the ``background`` requests
-    decode together (those that came back after any of them ended are dropped)."""
+def while_decoding(url: str, background: list[tuple[list[int], int]], prompts: list[list[list[int]]]) -> list[float]:
+    """The median TTFT of each group of ``prompts``, a group's prompts sent at once and the groups
+    one after another, while the ``background`` requests decode together (groups that came back
+    after any of them ended are dropped)."""
     return asyncio.run(_while_decoding(url, background, prompts))
 
 
@@ -165,15 +169,16 @@ class Calibration:
 
     step_overhead: float  # seconds a step costs beyond the roofline's kernel time
     sequence_overhead: float  # and per sequence in it
-    flops_utilisation: float  # share of the measured matmul peak its prefill reaches
+    flops_utilisation: float  # share of the measured matmul peak a step carrying one prompt reaches
+    flops_curve: tuple  # (tokens in the step, share) with one prompt and with TOGETHER prompts
     decode_tpot_s: dict  # batch -> TPOT of that many short requests decoding together
-    prefill_ttft_s: float  # TTFT of one prompt sent while 16 requests decode
+    prefill_ttft_s: dict  # prompts sent at once -> their TTFT while 16 requests decode
 
     def device(self, gpu):
         from runner.plan.roofline import Device
 
         return Device(gpu, flops_utilisation=self.flops_utilisation, step_overhead=self.step_overhead,
-                      sequence_overhead=self.sequence_overhead)
+                      sequence_overhead=self.sequence_overhead, flops_curve=self.flops_curve)
 
 
 def calibrate(url: str, work, gpu, tokenizer, skip_ids: int) -> Calibration:
@@ -187,7 +192,12 @@ def calibrate(url: str, work, gpu, tokenizer, skip_ids: int) -> Calibration:
       Measured at the loads' length, because a CPU's bf16 matrix products do not run at one rate
       (on this machine a 256-token prompt took 3 to 5 times as long as a 128-token one,
       docs/plan.md), and in a mixed step, because that is the step that carries the loads'
-      prompts (on vLLM CPU it costs more than a prompt alone, docs/plan.md).
+      prompts (on vLLM CPU it costs more than a prompt alone, docs/plan.md);
+    - the same with ``TOGETHER`` prompts sent at once, which one step carries together: the share
+      at that many tokens. The planner interpolates between the two points in log(tokens)
+      (``Device.flops_curve``), since a step carrying several prompts multiplies more rows at
+      once and on a CPU reaches a higher rate (vLLM's rows at 8 and 32 in flight were
+      over-predicted by 1.5x with the one-prompt share alone, 2026-12-05).
 
     The single requests go one after another on one connection, after one that is not counted,
     as in the loads (a new connection's setup is not a step's cost)."""
@@ -200,21 +210,27 @@ def calibrate(url: str, work, gpu, tokenizer, skip_ids: int) -> Calibration:
     together = [(ids[i * 20 : i * 20 + prompt], answer) for i in range(b2)]
     decode = {b1: statistics.median(t.tpot_s for t in http_closed_loop(url, alone, 1)[1:]),
               b2: statistics.median(statistics.median(t.tpot_s for t in http_closed_loop(url, together, b2)) for _ in range(REPEATS))}
-    prompts = [ids[1000 + k * PROMPT : 1000 + (k + 1) * PROMPT] for k in range(REPEATS)]
-    ttfts = while_decoding(url, [(p, BACKGROUND_ANSWER) for p, _ in together], prompts)
-    if not ttfts:
-        raise RuntimeError(f"the {b2} background requests ended before any calibration prompt came back: lengthen BACKGROUND_ANSWER")
-    mixed = statistics.median(ttfts)
+    mixed = {}
+    for n in (1, TOGETHER):
+        groups = [[ids[1000 + (k * n + j) * PROMPT : 1000 + (k * n + j + 1) * PROMPT] for j in range(n)] for k in range(REPEATS)]
+        ttfts = while_decoding(url, [(p, BACKGROUND_ANSWER) for p, _ in together], groups)
+        if not ttfts:
+            raise RuntimeError(f"the {b2} background requests ended before any calibration prompt came back: lengthen BACKGROUND_ANSWER")
+        mixed[n] = statistics.median(ttfts)
     context = prompt + answer / 2
-    flops = work.linear_flops(b2 + PROMPT) + work.attention_flops(b2, context) + work.attention_flops(PROMPT, PROMPT / 2)
+    shares = {n: share for n in mixed}
     overhead = per_sequence = 0.0
     for _ in range(20):  # the decode steps' kernel time depends on the share, which depends on the overhead
-        kernels = {b: step_seconds(work, Device(gpu, flops_utilisation=share, step_overhead=0.0), b, context) for b in (b1, b2)}
+        device = Device(gpu, flops_utilisation=shares[1], step_overhead=0.0)
+        kernels = {b: step_seconds(work, device, b, context) for b in (b1, b2)}
         per_sequence = max(0.0, ((decode[b2] - kernels[b2]) - (decode[b1] - kernels[b1])) / (b2 - b1))
         overhead = max(0.0, decode[b1] - kernels[b1] - b1 * per_sequence)
-        step = mixed - decode[b2]  # the step that carried the prompt, after the one under way
-        share = min(1.0, flops / max(step - overhead - (b2 + 1) * per_sequence, 1e-6) / gpu.flops)
-    return Calibration(overhead, per_sequence, share, decode, mixed)
+        for n, ttft in mixed.items():
+            flops = work.linear_flops(b2 + n * PROMPT) + work.attention_flops(b2, context) + n * work.attention_flops(PROMPT, PROMPT / 2)
+            step = ttft - decode[b2]  # the step that carried the prompts, after the one under way
+            shares[n] = min(1.0, flops / max(step - overhead - (b2 + n) * per_sequence, 1e-6) / gpu.flops)
+    curve = tuple((b2 + n * PROMPT, shares[n]) for n in mixed)
+    return Calibration(overhead, per_sequence, shares[1], curve, decode, mixed)
 
 
 def predict(work, gpu, concurrency: int, calibration: Calibration | None) -> dict[str, float]:
@@ -295,7 +311,8 @@ def main() -> None:
         if engine not in measured:
             rows[name] = f"skipped: {args.vllm_python} not found (bash bench/anchors/setup.sh vllm installs it)"
             continue
-        runs = [{"measured": dict(zip(("ttft_p50_s", "tpot_p50_s"), loads[c])), "predicted": predict(work, gpu, c, calibration)}
+        runs = [{"measured": dict(zip(("ttft_p50_s", "tpot_p50_s"), loads[c])), "predicted": predict(work, gpu, c, calibration),
+                 "predicted_one_share": predict(work, gpu, c, replace(calibration, flops_curve=()))}
                 for calibration, loads in measured[engine]]
         default = predict(work, gpu, c, None)
         row = {"runs": runs, "predicted_with_defaults": default}
@@ -306,6 +323,8 @@ def main() -> None:
             label = key.split("_")[0].upper()
             ratios[f"{name}: predicted/measured p50 {label} (median of the runs' ratios)"] = row[key]["ratio"]
             ratios[f"{name}: with default constants, predicted/measured p50 {label}"] = default[key] / row[key]["measured"]
+            ratios[f"{name}: with one matmul share (no curve), predicted/measured p50 {label}"] = statistics.median(
+                r["predicted_one_share"][key] / r["measured"][key] for r in runs)
             checks[f"{name}: p50 {label} within {TOLERANCE:.0%}"] = abs(row[key]["ratio"] - 1) <= TOLERANCE
         rows[name] = row
     print_result(rows, ratios, checks, args.json)

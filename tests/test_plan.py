@@ -72,6 +72,20 @@ def test_a_cpu_engine_pays_per_step_and_per_sequence_outside_the_kernels(llama8b
     assert step_seconds(work, device, 8, 1000, 300, 50, prompts=3) == pytest.approx(kernels + 0.030 + 11 * 0.0004, rel=1e-12)
 
 
+def test_a_calibrated_curve_sets_the_matmul_rate_by_the_step_size(llama8b):
+    """Two (tokens, share) points: the share at each, interpolated in log(tokens) between them,
+    held beyond them; a prefill chunk's time follows the share at its own size."""
+    work = ModelWork(llama8b, 2 * PARAMS, 16)
+    gpu = resolve_gpu("h100-80gb")
+    device = Device(gpu, flops_curve=((100, 0.2), (400, 0.4)))
+    assert device.flops_at(100) == pytest.approx(0.2 * gpu.flops) and device.flops_at(10) == pytest.approx(0.2 * gpu.flops)
+    assert device.flops_at(200) == pytest.approx(0.3 * gpu.flops)  # halfway in log(tokens)
+    assert device.flops_at(400) == device.flops_at(4000) == pytest.approx(0.4 * gpu.flops)
+    assert Device(gpu).flops_at(200) == Device(gpu).flops  # no curve: the one share
+    flops = 2 * (PARAMS - EMBED) * 200 + 4 * 32 * 128 * 200 * 100 * 32
+    assert step_seconds(work, device, 0, 0, 200, 100) == pytest.approx(flops / (0.3 * gpu.flops) + STEP_OVERHEAD, rel=1e-12)
+
+
 @pytest.mark.check
 def test_short_prompts_share_steps_with_the_decode_batch(llama8b):
     work = ModelWork(llama8b, 2 * PARAMS, 16)

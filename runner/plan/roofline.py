@@ -13,7 +13,7 @@ is what the chunk adds to every other user's TPOT.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from runner.fit.gpus import GPU
@@ -46,6 +46,11 @@ class Device:
     flops_utilisation: float = FLOPS_UTILISATION
     step_overhead: float = STEP_OVERHEAD
     sequence_overhead: float = SEQUENCE_OVERHEAD
+    # (tokens in a step, share of peak FLOPs) measured at two or more step sizes, where matrix
+    # products run at a rate that grows with the rows they multiply (a CPU's do: bench/
+    # plan_validation.py calibrates two points); between them the share is interpolated in
+    # log(tokens), outside them held at the nearest. Empty: flops_utilisation at every size.
+    flops_curve: tuple[tuple[float, float], ...] = ()
 
     @property
     def bandwidth(self) -> float:
@@ -58,6 +63,21 @@ class Device:
         if not self.gpu.flops:
             raise ValueError(f"{self.gpu.name}: no FLOPs known")
         return self.gpu.flops * self.flops_utilisation
+
+    def flops_at(self, tokens: float) -> float:
+        """Reachable FLOP/s on one GPU in a step of ``tokens`` tokens (``flops_curve``)."""
+        if not self.flops_curve:
+            return self.flops
+        points = sorted(self.flops_curve)
+        x, xs = math.log(max(tokens, 1.0)), [math.log(t) for t, _ in points]
+        if x <= xs[0]:
+            share = points[0][1]
+        elif x >= xs[-1]:
+            share = points[-1][1]
+        else:
+            i = next(i for i in range(1, len(xs)) if x <= xs[i])
+            share = points[i - 1][1] + (points[i][1] - points[i - 1][1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return replace(self, flops_utilisation=share, flops_curve=()).flops
 
 
 @dataclass(frozen=True)
@@ -125,7 +145,7 @@ def step_seconds(work: ModelWork, device: Device, decode: float, decode_context:
     tokens = decode + chunk
     read = work.weights_read(int(round(tokens))) + decode * work.kv_read(decode_context) + (prompts * work.kv_read(chunk_context) if chunk else 0.0)
     flops = work.linear_flops(tokens) + work.attention_flops(decode, decode_context) + work.attention_flops(chunk, chunk_context)
-    kernels = max(read / device.bandwidth, flops / device.flops)
+    kernels = max(read / device.bandwidth, flops / device.flops_at(tokens))
     sequences = decode + (prompts if chunk else 0.0)
     return kernels + allreduce_seconds(work, device, tokens) + device.step_overhead + device.sequence_overhead * sequences
 
