@@ -104,7 +104,7 @@ class KVPool:
             raise InputError(f"kv_cache_dtype {cache}: one of auto, {', '.join(BITS)}")
         self.num_blocks, self.block_size, self.cache, self.device = num_blocks, block_size, cache, device
         self.kv_heads = arch.kv_heads[0]
-        shape = (arch.layers, num_blocks, arch.kv_heads[0], block_size)
+        shape = (arch.layers, num_blocks, self.kv_heads, block_size)
         self.keys = _Store(cache, shape, arch.head_dim, compute, device)
         self.values = _Store(cache, shape, arch.value_dim, compute, device)
         quantized = cache in GGML_TYPES
@@ -138,9 +138,10 @@ class KVPool:
         or fp8 cache, the values themselves), for a kernel that reads blocks where they lie."""
         return self.keys.codes[layer], self.values.codes[layer]
 
-    def slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values at ``slots`` (any shape): [*slots.shape, kv_heads, dim]."""
-        rows, shape = self.where(slots.flatten()), (*slots.shape, self.kv_heads, -1)
+    def slots(self, layer: int, rows: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at cache slots of ``shape``, found by ``where`` (of the slots flattened)
+        once for every layer: [*shape, kv_heads, dim]."""
+        shape = (*shape, self.kv_heads, -1)
         return self.keys.get(layer, rows=rows).view(shape), self.values.get(layer, rows=rows).view(shape)
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:

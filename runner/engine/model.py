@@ -197,6 +197,7 @@ class DecoderModel:
         in_order = step.prefill is None and d.valid is None  # then the decode rows are the step's rows, in order
         kernel = _fused_kernel(pool)
         where = pool.where(step.slots)
+        key_rows = pool.where(step.prefill.key_slots.flatten()) if step.prefill is not None else None  # read by every layer
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, self._norm(x, layer["attn_norm"]), rotary[a.rope_of(index)])
             pool.write(index, where, k, v)
@@ -214,7 +215,7 @@ class DecoderModel:
                     else:
                         out[d.rows[d.valid]] = attended[d.valid.flatten()]
                 if step.prefill is not None:
-                    out[step.prefill.rows[step.prefill.valid]] = self._prefill_attention(q, pool, index, step.prefill, window)
+                    out[step.prefill.rows[step.prefill.valid]] = self._prefill_attention(q, pool, index, step.prefill, window, key_rows)
             attended = layer["o"][0](pool.outputs(out).to(x.dtype).flatten(1))
             x = x + (self._norm(attended, layer["attn_post"]) if a.post_norms else attended)
             gate, up = _outputs(layer["gate_up"], self._norm(x, layer["mlp_norm"]), self._gate_up)
@@ -298,9 +299,11 @@ class DecoderModel:
             out = out.transpose(1, 2)
         return out.reshape(n * m, a.heads, a.value_dim)
 
-    def _prefill_attention(self, q: torch.Tensor, pool: KVPool, layer: int, p: PrefillBatch, window: int | None) -> torch.Tensor:
-        """The chunks' outputs, [real chunk tokens, heads, value_dim], in ``rows[valid]`` order."""
-        keys, values = pool.slots(layer, p.key_slots)  # [chunks, keys, kv, dim]
+    def _prefill_attention(self, q: torch.Tensor, pool: KVPool, layer: int, p: PrefillBatch, window: int | None,
+                           key_rows: torch.Tensor) -> torch.Tensor:
+        """The chunks' outputs, [real chunk tokens, heads, value_dim], in ``rows[valid]`` order
+        (``key_rows``: ``pool.where`` of the chunks' key slots)."""
+        keys, values = pool.slots(layer, key_rows, p.key_slots.shape)  # [chunks, keys, kv, dim]
         mask = p.key_pos[:, None, :] <= p.query_pos[:, :, None]
         if window is not None:
             mask &= p.key_pos[:, None, :] > p.query_pos[:, :, None] - window
