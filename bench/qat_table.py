@@ -4,7 +4,7 @@ post-training quantization loses, beyond the model and text it was tuned on?
 
     python bench/qat_table.py [--models tiny ref smollm2 gemma3] [--calib FILE] [--eval FILE]
         [--cross FILE] [--json] [--configs 4:128 3:128 2:64] [--methods rtn gptq qat torchao-qat]
-        [--calib-windows 32] [--window 512] [--seed 0] [--eval-windows 16] [--steps 200] [--lr 0.02]
+        [--calib-windows 32] [--window 512] [--seed 0] [--eval-windows 16] [--steps 200] [--lr 0.01]
         [--batch 2] [--holdout 0.125] [--init rtn] [--e2e-steps 0] [--e2e-lr 1e-3]
         [--torchao-steps 400] [--torchao-lr 1e-4] [--gguf]
 
@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--cross", type=Path, default=CROSS, help="evaluation text of another domain than --calib")
     parser.add_argument("--configs", nargs="*", default=["4:128", "3:128", "2:64"], help="bits:group_size (none: only --gguf)")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--lr", type=float, default=0.02)
+    parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--holdout", type=float, default=0.125, help="QAT: share of the windows held out to guide training")
     parser.add_argument("--init", choices=["rtn", "gptq"], default="rtn", help="QAT's starting grid")

@@ -58,7 +58,7 @@ HeldReport = Callable[[int, float], None]  # (steps taken, loss on the held-out 
 @dataclass(frozen=True)
 class QATSettings:
     steps: int = 200  # optimizer steps per decoder layer
-    lr: float = 0.02  # AdamW, in steps of the grid per step (see _Grid), cosine-decayed to zero
+    lr: float = 0.01  # AdamW, in steps of the grid per step (see _Grid), cosine-decayed to zero; chosen on four models (docs/qat.md)
     batch: int = 2  # calibration windows per micro-batch
     accumulate: int = 1  # micro-batches whose gradients make one step
     learn_scales: bool = True

@@ -45,7 +45,7 @@ class QATWeights(Targeted):
     gguf: Literal[tuple(QAT_FILE_TYPES)] | None = None  # type: ignore[valid-type]
     init: Literal["rtn", "gptq"] = "rtn"
     steps: int = Field(default=200, ge=1, le=1_000_000)  # per decoder layer
-    lr: float = Field(default=0.02, gt=0, le=1)  # in steps of the grid per optimizer step
+    lr: float = Field(default=0.01, gt=0, le=1)  # in steps of the grid per optimizer step
     batch: int = Field(default=2, ge=1)  # calibration windows per micro-batch
     accumulate: int = Field(default=1, ge=1, le=1024)  # micro-batches per optimizer step
     learn_scales: bool = True
