@@ -9,7 +9,7 @@ It is compiled on first use by the machine's C compiler (``cc``, or ``$CC``) for
 on (``-march=native``), into ``~/.cache/quantbench/kernels`` under a name that hashes the source,
 the flags and the CPU, and loaded with ctypes: no torch headers, so the build takes about a second.
 OpenMP comes from the libgomp torch has already loaded (the same soname), so the kernel's threads
-are torch's. Where no compiler works, ``kernel()`` is None and the torch path runs.
+are torch's. Where no compiler works, ``available()`` is False and the torch path runs.
 """
 
 from __future__ import annotations
@@ -35,10 +35,13 @@ _ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [_i64] * 6 + [ctypes.c_void_p, 
 
 
 def _cpu_name() -> str:
+    """The CPU's model name and instruction-set flags (the first core's), which ``-march=native``
+    compiles for: two VMs of one model can expose different flags."""
     try:
-        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("model name", "flags")))
-    except (OSError, StopIteration):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
         return platform.processor()
+    return "\n".join(next((line for line in lines if line.startswith(key)), "") for key in ("model name", "flags"))
 
 
 @cache
