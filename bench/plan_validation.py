@@ -218,6 +218,8 @@ def calibrate(url: str, work, gpu, tokenizer, skip_ids: int) -> Calibration:
             raise RuntimeError(f"the {b2} background requests ended before any calibration prompt came back: lengthen BACKGROUND_ANSWER")
         mixed[n] = statistics.median(ttfts)
     context = prompt + answer / 2
+    flops = {n: work.linear_flops(b2 + n * PROMPT) + work.attention_flops(b2, context) + n * work.attention_flops(PROMPT, PROMPT / 2)
+             for n in mixed}  # of the step that carries n prompts with the b2 decode tokens
     shares = {n: share for n in mixed}
     overhead = per_sequence = 0.0
     for _ in range(20):  # the decode steps' kernel time depends on the share, which depends on the overhead
@@ -226,9 +228,8 @@ def calibrate(url: str, work, gpu, tokenizer, skip_ids: int) -> Calibration:
         per_sequence = max(0.0, ((decode[b2] - kernels[b2]) - (decode[b1] - kernels[b1])) / (b2 - b1))
         overhead = max(0.0, decode[b1] - kernels[b1] - b1 * per_sequence)
         for n, ttft in mixed.items():
-            flops = work.linear_flops(b2 + n * PROMPT) + work.attention_flops(b2, context) + n * work.attention_flops(PROMPT, PROMPT / 2)
             step = ttft - decode[b2]  # the step that carried the prompts, after the one under way
-            shares[n] = min(1.0, flops / max(step - overhead - (b2 + n) * per_sequence, 1e-6) / gpu.flops)
+            shares[n] = min(1.0, flops[n] / max(step - overhead - (b2 + n) * per_sequence, 1e-6) / gpu.flops)
     curve = tuple((b2 + n * PROMPT, shares[n]) for n in mixed)
     return Calibration(overhead, per_sequence, shares[1], curve, decode, mixed)
 
