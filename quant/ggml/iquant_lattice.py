@@ -39,13 +39,17 @@ importance matrix, and ``d`` stored as ``d·0.9875``.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from core import native
 from quant.ggml import lattice
 from quant.ggml.numerics import F32, ZERO, f16_bytes, nearest_int, seqsum
 from quant.ggml.rows import encode_by_rows
@@ -62,11 +66,52 @@ def best_neighbours(grid: lattice.Lattice, codes: np.ndarray, xval: np.ndarray, 
     """ggml's ``iq3_find_best_neighbour`` for off-grid groups: among the neighbours of each packed
     code ``[M]``, the grid index of least ``Σ w·(scale·q − x)²`` (summed in order, q = 2·level + 1,
     the first of equal errors), for magnitudes and weights ``[M, n]`` and ``scale [M]``.
+    ``level_values [M, levels]``, if given, are each group's values of a level in place of
+    2·level + 1 (IQ1_S's shifted −1, 0, 1: ``iq1_find_best_neighbour2``).
+
+    By the C kernel (lattice_search.c) where it builds, which runs each group's short list of
+    neighbours without numpy's padding and bucketing; else by ``_numpy_best_neighbours``. The two
+    give the same indices (tests/test_iquants.py).
+    """
+    lib = _kernel()
+    if lib is None:
+        return _numpy_best_neighbours(grid, codes, xval, w, scale, level_values)
+    m, n = xval.shape
+    if level_values is None:
+        values, stride = np.arange(1, 2 * (1 << grid.bits), 2, dtype=F32), 0  # 2·level + 1
+    else:
+        values, stride = np.ascontiguousarray(level_values, dtype=F32), level_values.shape[1]
+    rows = np.ascontiguousarray(grid.row[codes], dtype=np.int32)
+    xval, w = np.ascontiguousarray(xval, dtype=F32), np.ascontiguousarray(w, dtype=F32)
+    scale = np.ascontiguousarray(np.broadcast_to(scale, (m,)), dtype=F32)
+    out = np.empty(m, dtype=np.int32)
+    lib.lattice_best_neighbours(m, n, _ptr(rows), _ptr(grid.neighbours), grid.neighbours.shape[1], _ptr(grid.counts),
+                                _ptr(grid.points), _ptr(values), stride, _ptr(xval), _ptr(w), _ptr(scale), _ptr(out))
+    return out
+
+
+@functools.cache
+def _kernel() -> ctypes.CDLL | None:
+    lib = native.load(Path(__file__).with_name("lattice_search.c"), ("-ffp-contract=off",))
+    if lib is not None:
+        lib.lattice_best_neighbours.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                                ctypes.c_int64, *[ctypes.c_void_p] * 3, ctypes.c_int64,
+                                                *[ctypes.c_void_p] * 4]
+        lib.lattice_best_neighbours.restype = None
+    return lib
+
+
+def _ptr(a: np.ndarray) -> int:
+    """The address of a C-contiguous array's data (the grids' tables are built contiguous)."""
+    return a.ctypes.data
+
+
+def _numpy_best_neighbours(grid: lattice.Lattice, codes: np.ndarray, xval: np.ndarray, w: np.ndarray,
+                           scale: np.ndarray, level_values: np.ndarray | None = None) -> np.ndarray:
+    """``best_neighbours`` by numpy, where no C compiler builds the kernel.
 
     Most codes have a handful of neighbours and a few have dozens, so codes are searched in
     buckets of similar counts, each as wide as its longest list rather than the longest of all.
-    ``level_values [M, levels]``, if given, are each group's values of a level in place of
-    2·level + 1 (IQ1_S's shifted −1, 0, 1: ``iq1_find_best_neighbour2``).
     """
     out = np.empty(len(codes), dtype=np.int32)
     rows = grid.row[codes]
@@ -106,12 +151,13 @@ def grid_levels(grid: lattice.Lattice, levels: np.ndarray, xval: np.ndarray, w: 
                 scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Groups of rounded levels ``[..., n]`` moved onto the grid: (grid index, on the grid as
     rounded), with ``xval``, ``w`` like ``levels`` and one ``scale`` per group (``[...]``)."""
-    index = grid.index[grid.pack(levels)]
+    codes = grid.pack(levels)
+    index = grid.index[codes]
     on_grid = index >= 0
     off = np.flatnonzero(~on_grid)
     if off.size:
         n = levels.shape[-1]
-        index.reshape(-1)[off] = best_neighbours(grid, grid.pack(levels.reshape(-1, n)[off]), xval.reshape(-1, n)[off],
+        index.reshape(-1)[off] = best_neighbours(grid, codes.reshape(-1)[off], xval.reshape(-1, n)[off],
                                                  w.reshape(-1, n)[off], scale.reshape(-1)[off])
     return index, on_grid
 

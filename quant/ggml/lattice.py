@@ -43,8 +43,10 @@ class Lattice:
 
     def pack(self, levels: np.ndarray) -> np.ndarray:
         """``levels [..., n]`` (integers) -> the packed code u ``[...]`` (int64)."""
-        shifts = self.bits * np.arange(levels.shape[-1])
-        return (levels.astype(np.int64) << shifts).sum(axis=-1)
+        code = levels[..., 0].astype(np.int64)
+        for i in range(1, levels.shape[-1]):  # coordinate by coordinate: a sum over a short last axis is slow in numpy
+            code |= levels[..., i].astype(np.int64) << (self.bits * i)
+        return code
 
 
 def _lattice(points: np.ndarray, levels: int, bits: int, nwant: int) -> Lattice:

@@ -5,9 +5,7 @@ scores them with many small matrix products; on a CPU that was about half of a s
 sequences (the issue 35 profile). The C kernel reads each key and value where it lies, through the
 block table, as the GPU's Triton kernel does.
 
-It is compiled on first use by the machine's C compiler (``cc``, or ``$CC``) for the machine it runs
-on (``-march=native``), into ``~/.cache/quantbench/kernels`` under a name that hashes the source,
-the flags and the CPU, and loaded with ctypes: no torch headers, so the build takes about a second.
+It is compiled on first use for the machine it runs on and loaded with ctypes (core/native.py).
 OpenMP comes from the libgomp torch has already loaded (the same soname), so the kernel's threads
 are torch's. Where no compiler works, ``available()`` is False and the torch path runs.
 """
@@ -15,59 +13,27 @@ are torch's. Where no compiler works, ``available()`` is False and the torch pat
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import subprocess
-import tempfile
-import warnings
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from core import native
+
 SOURCE = Path(__file__).with_suffix(".c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+FLAGS = ("-fopenmp",)  # beside core.native.BASE_FLAGS
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the float caches it reads
 _i64, _f32 = ctypes.c_int64, ctypes.c_float
 _ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [_i64] * 6 + [ctypes.c_void_p, _i64, ctypes.c_void_p, ctypes.c_void_p] \
     + [ctypes.c_int] * 7 + [_f32, ctypes.c_int, _f32, ctypes.c_int]
 
 
-def _cpu_name() -> str:
-    """The CPU's model name and instruction-set flags (the first core's), which ``-march=native``
-    compiles for: two VMs of one model can expose different flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    return "\n".join(next((line for line in lines if line.startswith(key)), "") for key in ("model name", "flags"))
-
-
 @cache
 def _library() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC", "cc")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), platform.machine().encode(),
-                                     _cpu_name().encode()])).hexdigest()[:16]
-    folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "quantbench" / "kernels"
-    built = folder / f"cpu_attention-{key}.so"
-    try:
-        if not built.exists():
-            folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=folder) as work:  # built aside, then renamed: never half a file
-                out = Path(work) / built.name
-                subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], check=True, capture_output=True,
-                               text=True, timeout=120)
-                os.replace(out, built)
-        lib = ctypes.CDLL(str(built))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", None) or e
-        warnings.warn(f"the CPU decode-attention kernel did not build ({str(detail).strip()[:300]}); torch's path runs",
-                      stacklevel=2)
-        return None
-    lib.paged_decode_attention.argtypes = _ARGS
-    lib.paged_decode_attention.restype = None
+    lib = native.load(SOURCE, FLAGS)
+    if lib is not None:
+        lib.paged_decode_attention.argtypes = _ARGS
+        lib.paged_decode_attention.restype = None
     return lib
 
 
