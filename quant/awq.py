@@ -48,6 +48,7 @@ def awq_model(
     settings: AWQSettings = AWQSettings(),
     quantize: bool = True,
     modules: Collection[str] | None = None,
+    specs: dict[str, QuantSpec] | None = None,
 ) -> Iterator[LayerResult]:
     """Scale, clip and quantize every decoder layer's Linear weights, layer by layer as they stream
     from the checkpoint (``calib.streaming``), yielding one ``LayerResult`` per layer: by weight name,
@@ -55,12 +56,19 @@ def awq_model(
     and feeding Linear rows absorb the scales), and each quantized Linear's relative output error. With
     ``quantize=False`` only the (exactly equivalent) scaling is applied and every tensor comes
     back in float. ``modules`` (full names; all by default) limits which Linear weights are
-    quantized; the scaling, exact in float, is applied throughout."""
+    quantized; the scaling, exact in float, is applied throughout. ``specs`` gives weights a grid
+    of their own (by weight name: ``bits: auto``), which their scale and clipping searches use."""
+    specs = specs or {}
     for base, layer, inputs in walk_layers(ckpt, skeleton(ckpt), windows):
         layer_modules = dict(layer.named_modules())
+
+        def grid(name: str) -> QuantSpec:
+            return specs.get(f"{base}{name}.weight", spec)
+
         for fold in layer_mappings(layer_modules, ckpt.arch, "AWQ"):
             stats = input_statistics(layer, inputs, fold.targets[:1])[fold.targets[0]]
-            scales = _search_scales([layer_modules[t].weight.data for t in fold.targets], stats, spec, settings)
+            scales = _search_scales([layer_modules[t].weight.data for t in fold.targets], stats,
+                                    [grid(t) for t in fold.targets], settings)
             fold_scales(layer_modules, fold, scales)
         results: dict[str, TensorPayload] = {}
         errors: dict[str, float] = {}
@@ -71,8 +79,8 @@ def awq_model(
                 weight = layer_modules[name].weight
                 scaled = weight.data
                 if settings.clip and not name.endswith(_NO_CLIP):
-                    weight.data = _clip(weight.data, stats[name], spec, base + name)
-                quantized = quantize_rtn(weight.data, spec, base + name)
+                    weight.data = _clip(weight.data, stats[name], grid(name), base + name)
+                quantized = quantize_rtn(weight.data, grid(name), base + name)
                 weight.data = quantized.dequantize().to(weight.dtype)
                 # scaled weights on scaled inputs compute what the original Linear did, so this is
                 # the error of the Linear's outputs against the float model's
@@ -88,24 +96,30 @@ def _output_error(delta: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     return ((delta @ gram) * delta).sum()
 
 
-def _search_scales(weights: list[torch.Tensor], stats: InputStats, spec: QuantSpec, settings: AWQSettings) -> torch.Tensor:
-    """The per-input-channel scale (over α in 0, 1/20, ... 19/20) whose quantized weights give the
-    least output error."""
-    W = torch.cat([w.to(torch.float32) for w in weights])
+def _search_scales(weights: list[torch.Tensor], stats: InputStats, grids: list[QuantSpec],
+                   settings: AWQSettings) -> torch.Tensor:
+    """The per-input-channel scale (over α in 0, 1/20, ... 19/20) whose quantized weights, each on
+    its own grid, give the least output error."""
+    by_grid: dict[QuantSpec, list[torch.Tensor]] = {}
+    for w, spec in zip(weights, grids):  # the weights that share a grid quantized as one
+        by_grid.setdefault(spec, []).append(w.to(torch.float32))
+    stacked = {spec: torch.cat(ws) for spec, ws in by_grid.items()}
     gram = stats.hessian  # proportional to Σ x xᵀ: the same minimiser
     x_mean = stats.abs_mean.clamp(min=1e-8)
     if settings.weight_term:
-        group = spec.group_size if spec.granularity == "group" else W.shape[1]
-        w = W.abs().reshape(W.shape[0], -1, group)
-        w_mean = (w / w.amax(-1, keepdim=True).clamp(min=1e-12)).reshape_as(W).mean(0)
+        normalised = []
+        for spec, W in stacked.items():  # normalised per group of its own grid
+            group = spec.group_size if spec.granularity == "group" else W.shape[1]
+            w = W.abs().reshape(W.shape[0], -1, group)
+            normalised.append((w / w.amax(-1, keepdim=True).clamp(min=1e-12)).reshape_as(W))
+        w_mean = torch.cat(normalised).mean(0)
     best, best_scales = None, torch.ones_like(x_mean)
     for step in range(_GRID):
         alpha = step / _GRID
         scales = x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4) if settings.weight_term else x_mean.pow(alpha)
         scales = scales.clamp(min=1e-4)
         scales = scales / (scales.max() * scales.min()).sqrt()
-        Q = quantize_rtn(W * scales, spec).dequantize() / scales
-        err = _output_error(Q - W, gram)
+        err = sum(_output_error(quantize_rtn(W * scales, spec).dequantize() / scales - W, gram) for spec, W in stacked.items())
         if best is None or err < best:
             best, best_scales = err, scales
     return best_scales

@@ -186,3 +186,53 @@ def test_a_mix_of_grids_as_a_source_is_refused_in_one_line(mixed, export, why):
     with pytest.raises(InputError) as e:
         open_checkpoint(mixed[0] / export)
     assert why in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def awq_mixed(tiny, tmp_path_factory):
+    """AWQ bits auto among 4- and 8-bit grids (asymmetric, AWQ's default), as compressed-tensors, GPTQ (v2, zero-points
+    as stored) and float safetensors."""
+    ckpt, imatrix, windows = tiny
+    out = tmp_path_factory.mktemp("awq-bits")
+    variant = _variant(5.0, ["int4-g32", "int4-g128", "int8-g128"], "awq", ("safetensors", "compressed-tensors", "gptq"))
+    return ckpt, out / variant.name, build_variant(ckpt, variant, out, imatrix=imatrix, calibration=windows)
+
+
+def test_awq_bits_auto_writes_zero_pointed_grids_that_compressed_tensors_decompresses_to_its_weights(awq_mixed):
+    """transformers cannot load an asymmetric mix (its packed path wants unpacked zero-points, its
+    dequantizing path one grid), so compressed-tensors' own decompressor reads each Linear."""
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    ckpt, folder, built = awq_mixed
+    config = json.loads((folder / "compressed-tensors" / "config.json").read_text())["quantization_config"]
+    groups = config["config_groups"]
+    assert len(groups) >= 2 and not any(g["weights"]["symmetric"] for g in groups.values()), groups
+    packed = load_file(str(folder / "compressed-tensors" / "model.safetensors"))
+    ours = load_file(str(folder / "safetensors" / "model.safetensors"))
+    compressor = BaseCompressor.load_from_registry(config["format"])
+    read, bits = 0, 0.0
+    for group in groups.values():
+        scheme = QuantizationScheme.model_validate({"targets": group["targets"], "weights": group["weights"]})
+        for module in (k.removesuffix(".weight_packed") for k in packed if k.endswith(".weight_packed")):
+            if not any(re.fullmatch(t.removeprefix("re:"), module) for t in group["targets"]):
+                continue
+            state = {k.removeprefix(f"{module}."): v for k, v in packed.items() if k.startswith(f"{module}.")}
+            assert "weight_zero_point" in state, module
+            weight = compressor.decompress(state, scheme)["weight"]
+            assert torch.equal(weight.half(), ours[f"{module}.weight"].half()), module
+            spec_bits, size = group["weights"]["num_bits"], group["weights"]["group_size"]
+            out, n_in = ckpt.shape(f"{module}.weight")
+            bits += out * (n_in * spec_bits + n_in // size * (16 + spec_bits))
+            read += 1
+    assert read == 7 * 6
+    assert bits / sum(np.prod(ckpt.shape(f"{m}.weight")) for m in ckpt.linear_modules) <= 5.0
+    assert "-asym" in built.types_chosen and "int8" in built.types_chosen, built.types_chosen
+
+
+@needs_gptqmodel
+def test_gptqmodel_reads_awqs_zero_pointed_mix_back(awq_mixed):
+    _, folder, _ = awq_mixed
+    config = json.loads((folder / "gptq" / "quantize_config.json").read_text())
+    assert config["dynamic"] and not config["sym"], config
+    assert_read_back_exactly(read_back(folder, "gptq"))
