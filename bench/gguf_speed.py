@@ -12,8 +12,12 @@ Several ``--types`` make one row each, i-quants included. The types llama.cpp qu
 importance matrix (IQ3_XXS, IQ2_*, IQ1_*) get one, and ``--imatrix`` gives it to every type: the
 matrix is measured once on the calibration text, before timing, and both sides quantize with it.
 
+``--encoders`` times the block encoders alone instead, one process pinned to one core, on a
+512x1024 Gaussian tensor with an importance matrix: µs per weight, ours against llama.cpp's
+``ggml_quantize_chunk`` on the same tensor, and their ratio.
+
     python bench/gguf_speed.py [--model DIR] [--types Q4_K_M IQ4_XS IQ3_S IQ2_XS] [--imatrix]
-                               [--threads 2] [--repeat 3]
+                               [--threads 2] [--repeat 3] [--encoders]
 """
 
 from __future__ import annotations
@@ -38,7 +42,11 @@ def main() -> None:
     parser.add_argument("--imatrix", action="store_true", help="an importance matrix for every type, not only those that need one")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--encoders", action="store_true", help="the ggml types' block encoders alone, on one core")
     args = parser.parse_args()
+    if args.encoders:
+        encoder_speed(args.types, args.repeat)
+        return
 
     import torch
     from gguf import GGUFReader
@@ -103,6 +111,33 @@ def main() -> None:
         print(f"{file_type:8} {'yes' if matrix else 'no':7} {ours:7.2f} {convert:6.2f} {quantize:7.2f} "
               f"{ours / (convert + quantize):6.2f}  {same}/{len(b)}", flush=True)
     print("ratio: quantbench's time over llama.cpp's path (F32 + quantize); target <= 1.5")
+
+
+def encoder_speed(types: list[str], repeat: int) -> None:
+    """µs per weight of each type's encoder and of llama.cpp's on one core, best of ``repeat``."""
+    import numpy as np
+
+    from helpers.ggml_oracle import ggml_quantize
+    from quant.ggml.types import type_named
+
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:1])  # one core: no encoder workers either
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((512, 1024)) * 0.02).astype(np.float32)
+    qw = rng.random(1024).astype(np.float32) + 0.1
+    print(f"512x1024 Gaussian with an importance matrix, one core, best of {repeat}; baseline: llama.cpp's ggml_quantize_chunk")
+    for name in types:
+        encoder = type_named(name)
+        encoder.quantize(x[:1], qw)  # grids and tables built once, outside the timing
+        ours, theirs = [], []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            encoder.quantize(x, qw)
+            ours.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            ggml_quantize(x, name, qw)
+            theirs.append(time.perf_counter() - start)
+        a, b = min(ours) / x.size * 1e6, min(theirs) / x.size * 1e6
+        print(f"{name:8} ours {a:.2f} µs/weight, llama.cpp {b:.2f}, ratio {a / b:.2f}", flush=True)
 
 
 if __name__ == "__main__":
