@@ -38,6 +38,8 @@ MIXED_BITS = ["int4-g128", "int8-g128"]
     ({"method": "rtn", "bits": "auto", "bpw": 5, "outliers": {}}, [], "outliers (16-bit weight columns) and bits auto"),
     ({"method": "rtn", "bits": "auto", "bpw": 5}, ["awq"], "a awq export holds one grid, not the mix bits auto chooses; "
                                                              "use compressed-tensors or gptq"),
+    ({"method": "awq", "bits": "auto", "bpw": 5}, ["awq"], "a awq export holds one grid, not the mix bits auto chooses"),
+    ({"method": "awq", "format": "fp8_e4m3"}, [], "AWQ searches its scales for integer grids: format must be int"),
 ])
 def test_recipe_errors_name_the_field(tmp_path, weights, exports, message):
     variant = {"name": "v", "weights": weights, "exports": exports}
