@@ -25,11 +25,11 @@ from conftest import TINY
 from helpers.ggml_cases import (UNUSUAL_IMATRIX, assert_same_blocks, random_imatrix, seeded_case, unusual_imatrix,
                                 weighted_column_errors)
 from helpers.ggml_oracle import available, ggml_quantize
-from quant.ggml import iquant_lattice, iquant_nl, lattice
+from quant.ggml import iquant_iq1, iquant_lattice, iquant_nl, lattice
 from quant.ggml.types import type_named
 
 PORTED = ["IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"]
-LATTICE = ["IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"]  # the neighbour search
+LATTICE = ["IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"]  # the C searches
 ONLY_WITH_IMATRIX = {"IQ2_XXS", "IQ2_XS", "IQ1_S"}  # ggml asserts an importance matrix
 FROM_GGUF = ["TQ1_0", "TQ2_0", "MXFP4"]
 needs_oracle = pytest.mark.skipif(not available(), reason="llama-cpp-python's libggml-base is not installed")
@@ -164,15 +164,17 @@ def test_bytes_do_not_depend_on_chunking(qtype: str, monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.parametrize("qtype", LATTICE)
-def test_the_numpy_neighbour_search_gives_the_c_kernels_bytes(qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where no C compiler builds quant/ggml/lattice_search.c, numpy searches the neighbours: the
-    same bytes on every case, the overflowing one included, and on zero-weighted columns."""
-    if iquant_lattice._kernel() is None:
-        pytest.skip("no C compiler built the lattice kernel")
+def test_the_numpy_searches_give_the_c_kernels_bytes(qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no C compiler builds quant/ggml/lattice_search.c and iq1_split.c, numpy searches the
+    neighbours and IQ1's splits: the same bytes on every case, the overflowing one included, and on
+    zero-weighted columns."""
+    if iquant_lattice._kernel() is None or iquant_iq1._kernel() is None:
+        pytest.skip("no C compiler built the kernels")
     inputs = [(x, random_imatrix(x.shape[1])) for x in map(_data, CASES)]
     inputs += [(_data("heavy_tailed"), unusual_imatrix(kind, COLS)) for kind in UNUSUAL_IMATRIX]
     by_c = [_quantize(qtype, x, qw) for x, qw in inputs]
     monkeypatch.setattr(iquant_lattice, "_kernel", lambda: None)
+    monkeypatch.setattr(iquant_iq1, "_kernel", lambda: None)
     for (x, qw), expected in zip(inputs, by_c):
         np.testing.assert_array_equal(_quantize(qtype, x, qw), expected)
 

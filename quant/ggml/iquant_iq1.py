@@ -13,7 +13,8 @@ point of a 2048-point grid (quant/ggml/lattice.py), with a 3-bit block scale and
   small, so equal values keep their order); running sums of ``w·x`` and ``w`` in that order;
 - every split of the sorted values into three runs (levels 0, 1, 2) with either shift is scored by
   ``(Σwqx)²/Σwq²``, in ggml's order (i1, then i2 ≥ i1, shift +1/8 before −1/8), a candidate kept
-  when it beats the best so far, so the scan runs split by split, vectorised over blocks;
+  when it beats the best so far: by a small C kernel (``iq1_split.c``, numpy's float32 operations
+  in the same order) where it builds, else split by split in numpy, vectorised over blocks;
 - groups off the grid take the neighbour of least ``Σ w·(scale·q − x)²`` at the fitted scale, and
   then the scale is refitted if that is positive;
 - ``d = max scale/15`` is stored as fp16 ``d·1.125``; each block's 3-bit ``nearest_int(0.5·(scale/d
@@ -24,9 +25,14 @@ llama.cpp asserts an importance matrix for IQ1_S, and so does this encoder.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from pathlib import Path
+
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from core import native
 from quant.ggml import lattice
 from quant.ggml.iquant_lattice import best_neighbours
 from quant.ggml.numerics import F32, ZERO, f16_bytes, nearest_int, seqsum
@@ -109,8 +115,27 @@ def _best_split(xb: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
     zeros = np.zeros((blocks, 1), dtype=F32)
     sumx = np.concatenate([zeros, np.cumsum(wx, axis=1, dtype=F32)], axis=1)  # sequential, from 0
     sumw = np.concatenate([zeros, np.cumsum(ws, axis=1, dtype=F32)], axis=1)
-    best = np.full(blocks, -np.finfo(F32).max, dtype=F32)
     scale = np.abs(xb).max(axis=1)
+    lib = _kernel()
+    if lib is not None:
+        i1_best, i2_best, shift = (np.empty(blocks, dtype=np.int64) for _ in range(3))
+        lib.iq1s_split(blocks, BLOCK, *map(_ptr, (np.ascontiguousarray(sumx), np.ascontiguousarray(sumw), _SHIFTED[1],
+                                                  _SHIFTED[-1], scale, i1_best, i2_best, shift)))
+    else:
+        i1_best, i2_best, shift = _numpy_split(sumx, sumw, scale)
+    found = (i1_best >= 0) & (i2_best >= 0) & (shift != 0)
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(BLOCK)[None, :], axis=1)
+    L = np.where(rank < i1_best[:, None], 0, np.where(rank < i2_best[:, None], 1, 2))
+    negative = scale < 0
+    L = np.where(negative[:, None], 2 - L, L)
+    return np.abs(scale), np.where(negative, -shift, shift), L, found
+
+
+def _numpy_split(sumx: np.ndarray, sumw: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """IQ1_S's scan where no C compiler builds the kernel: (i1, i2, shift) per block; ``scale`` in place."""
+    blocks = len(sumx)
+    best = np.full(blocks, -np.finfo(F32).max, dtype=F32)
     i1_best = np.full(blocks, -1)
     i2_best = np.full(blocks, -1)
     shift = np.zeros(blocks, dtype=np.int64)
@@ -126,16 +151,29 @@ def _best_split(xb: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
                 sumq2 = aw * v[0] * v[0] + bw * v[1] * v[1] + cw * v[2] * v[2]
                 better = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
                 if better.any():
-                    scale = np.where(better, sumqx / np.where(better, sumq2, F32(1)), scale)
+                    scale[:] = np.where(better, sumqx / np.where(better, sumq2, F32(1)), scale)
                     best = np.where(better, scale * sumqx, best)
                     i1_best[better], i2_best[better], shift[better] = i1, i2, sign
-    found = (i1_best >= 0) & (i2_best >= 0) & (shift != 0)
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(BLOCK)[None, :], axis=1)
-    L = np.where(rank < i1_best[:, None], 0, np.where(rank < i2_best[:, None], 1, 2))
-    negative = scale < 0
-    L = np.where(negative[:, None], 2 - L, L)
-    return np.abs(scale), np.where(negative, -shift, shift), L, found
+    return i1_best, i2_best, shift
+
+
+@functools.cache
+def _kernel() -> ctypes.CDLL | None:
+    lib = native.load(Path(__file__).with_name("iq1_split.c"), ("-ffp-contract=off",))
+    if lib is not None:
+        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        lib.iq1s_split.argtypes = [i64, i64, *[p] * 8]
+        lib.iq1m_split.argtypes = [i64, i64, p, p, *[f32] * 6, *[p] * 4]
+        lib.iq1s_split.restype = lib.iq1m_split.restype = None
+    return lib
+
+
+def _ptr(a: np.ndarray) -> ctypes.c_void_p:
+    """A pointer to a C-contiguous array's data that keeps the array alive through the call
+    (a bare address would let a temporary array be freed before the kernel reads it)."""
+    if not a.flags.c_contiguous:
+        raise ValueError("the IQ1 kernel reads C-contiguous arrays")
+    return a.ctypes.data_as(ctypes.c_void_p)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -226,6 +264,16 @@ def _group_values(grid: lattice.Lattice, index: np.ndarray, xx: np.ndarray) -> n
     return np.take_along_axis(xx, levels, axis=2).reshape(len(index), -1)
 
 
+def _m_constants() -> tuple[np.float32, ...]:
+    """IQ1_M's scan constants, float32: the top shifted levels p2, m2 and the level-square steps."""
+    xp, xm = _SHIFTED[1], _SHIFTED[-1]
+    return (xp[2], xm[2], xp[0] * xp[0] - xp[1] * xp[1], xp[1] * xp[1] - xp[2] * xp[2],
+            xm[0] * xm[0] - xm[1] * xm[1], xm[1] * xm[1] - xm[2] * xm[2])
+
+
+_M_CONSTANTS = _m_constants()  # p2, m2, cp1, cp2, cm1, cm2
+
+
 def _best_split_m(xb: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """IQ1_M's split search: (scale ≥ 0, sign combination k, levels [blocks, 16], found)."""
     blocks, size = xb.shape
@@ -236,15 +284,32 @@ def _best_split_m(xb: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray
     zeros = np.zeros((blocks, 1), dtype=F32)
     px = [np.concatenate([zeros, np.cumsum(np.where(second == h, wx, ZERO), axis=1, dtype=F32)], axis=1) for h in (0, 1)]
     pw = [np.concatenate([zeros, np.cumsum(np.where(second == h, ws, ZERO), axis=1, dtype=F32)], axis=1) for h in (0, 1)]
-    xp, xm = _SHIFTED[1], _SHIFTED[-1]
-    p2, m2 = xp[2], xm[2]
-    cp1, cp2 = xp[0] * xp[0] - xp[1] * xp[1], xp[1] * xp[1] - xp[2] * xp[2]
-    cm1, cm2 = xm[0] * xm[0] - xm[1] * xm[1], xm[1] * xm[1] - xm[2] * xm[2]
+    scale = np.abs(xb).max(axis=1)
+    lib = _kernel()
+    if lib is not None:
+        i1_best, i2_best, k_best = (np.empty(blocks, dtype=np.int64) for _ in range(3))
+        lib.iq1m_split(blocks, size, _ptr(np.ascontiguousarray(np.stack(px))), _ptr(np.ascontiguousarray(np.stack(pw))),
+                       *map(float, _M_CONSTANTS), *map(_ptr, (scale, i1_best, i2_best, k_best)))
+    else:
+        i1_best, i2_best, k_best = _numpy_split_m(px, pw, scale, size)
+    found = (i1_best >= 0) & (i2_best >= 0) & (k_best >= 0)
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(size)[None, :], axis=1)
+    L = np.where(rank < i1_best[:, None], 0, np.where(rank < i2_best[:, None], 1, 2))
+    negative = scale < 0
+    L = np.where(negative[:, None], 2 - L, L)
+    return np.abs(scale), np.where(negative, 3 - k_best, k_best), L, found
+
+
+def _numpy_split_m(px: list[np.ndarray], pw: list[np.ndarray], scale: np.ndarray,
+                   size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """IQ1_M's scan where no C compiler builds the kernel: (i1, i2, k) per block; ``scale`` in place."""
+    blocks = len(scale)
+    p2, m2, cp1, cp2, cm1, cm2 = _M_CONSTANTS
     txs, tws = [px[h][:, size] for h in (0, 1)], [pw[h][:, size] for h in (0, 1)]
     tp2 = [tws[h] * p2 * p2 for h in (0, 1)]
     tm2 = [tws[h] * m2 * m2 for h in (0, 1)]
     best = np.full(blocks, -np.finfo(F32).max, dtype=F32)
-    scale = np.abs(xb).max(axis=1)
     i1_best = np.full(blocks, -1)
     i2_best = np.full(blocks, -1)
     k_best = np.full(blocks, -1)
@@ -262,13 +327,7 @@ def _best_split_m(xb: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray
             for k, (sumqx, sumq2) in enumerate(combos):
                 better = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
                 if better.any():
-                    scale = np.where(better, sumqx / np.where(better, sumq2, F32(1)), scale)
+                    scale[:] = np.where(better, sumqx / np.where(better, sumq2, F32(1)), scale)
                     best = np.where(better, scale * sumqx, best)
                     i1_best[better], i2_best[better], k_best[better] = i1, i2, k
-    found = (i1_best >= 0) & (i2_best >= 0) & (k_best >= 0)
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(size)[None, :], axis=1)
-    L = np.where(rank < i1_best[:, None], 0, np.where(rank < i2_best[:, None], 1, 2))
-    negative = scale < 0
-    L = np.where(negative[:, None], 2 - L, L)
-    return np.abs(scale), np.where(negative, 3 - k_best, k_best), L, found
+    return i1_best, i2_best, k_best

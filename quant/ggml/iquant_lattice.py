@@ -101,9 +101,10 @@ def _kernel() -> ctypes.CDLL | None:
     return lib
 
 
-def _ptr(a: np.ndarray) -> int:
-    """The address of a C-contiguous array's data (the grids' tables are built contiguous)."""
-    return a.ctypes.data
+def _ptr(a: np.ndarray) -> ctypes.c_void_p:
+    """A pointer to a C-contiguous array's data (the grids' tables are built contiguous) that keeps
+    the array alive through the call (a bare address would let a temporary be freed first)."""
+    return a.ctypes.data_as(ctypes.c_void_p)
 
 
 def _numpy_best_neighbours(grid: lattice.Lattice, codes: np.ndarray, xval: np.ndarray, w: np.ndarray,
