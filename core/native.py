@@ -22,6 +22,8 @@ import warnings
 from functools import cache
 from pathlib import Path
 
+import numpy as np
+
 BASE_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
 
 
@@ -60,3 +62,12 @@ def load(source: Path, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         warnings.warn(f"the C kernel {source.name} did not build ({str(detail).strip()[:300]}); the slower "
                       f"torch/numpy path runs", stacklevel=3)
         return None
+
+
+def pointer(a: np.ndarray) -> ctypes.c_void_p:
+    """A kernel's argument for a C-contiguous numpy array: a pointer to its data that keeps the
+    array alive through the call (a bare address lets a temporary be freed before the kernel reads
+    it, and its memory handed to the next argument)."""
+    if not a.flags.c_contiguous:
+        raise ValueError("C kernels read C-contiguous arrays")
+    return a.ctypes.data_as(ctypes.c_void_p)

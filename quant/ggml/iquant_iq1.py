@@ -33,6 +33,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from core import native
+from core.native import pointer
 from quant.ggml import lattice
 from quant.ggml.iquant_lattice import best_neighbours
 from quant.ggml.numerics import F32, ZERO, f16_bytes, nearest_int, seqsum
@@ -119,8 +120,9 @@ def _best_split(xb: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
     lib = _kernel()
     if lib is not None:
         i1_best, i2_best, shift = (np.empty(blocks, dtype=np.int64) for _ in range(3))
-        lib.iq1s_split(blocks, BLOCK, *map(_ptr, (np.ascontiguousarray(sumx), np.ascontiguousarray(sumw), _SHIFTED[1],
-                                                  _SHIFTED[-1], scale, i1_best, i2_best, shift)))
+        arrays = (np.ascontiguousarray(sumx), np.ascontiguousarray(sumw), _SHIFTED[1], _SHIFTED[-1], scale, i1_best,
+                  i2_best, shift)
+        lib.iq1s_split(blocks, BLOCK, *map(pointer, arrays))
     else:
         i1_best, i2_best, shift = _numpy_split(sumx, sumw, scale)
     found = (i1_best >= 0) & (i2_best >= 0) & (shift != 0)
@@ -166,14 +168,6 @@ def _kernel() -> ctypes.CDLL | None:
         lib.iq1m_split.argtypes = [i64, i64, p, p, *[f32] * 6, *[p] * 4]
         lib.iq1s_split.restype = lib.iq1m_split.restype = None
     return lib
-
-
-def _ptr(a: np.ndarray) -> ctypes.c_void_p:
-    """A pointer to a C-contiguous array's data that keeps the array alive through the call
-    (a bare address would let a temporary array be freed before the kernel reads it)."""
-    if not a.flags.c_contiguous:
-        raise ValueError("the IQ1 kernel reads C-contiguous arrays")
-    return a.ctypes.data_as(ctypes.c_void_p)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -288,8 +282,9 @@ def _best_split_m(xb: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray
     lib = _kernel()
     if lib is not None:
         i1_best, i2_best, k_best = (np.empty(blocks, dtype=np.int64) for _ in range(3))
-        lib.iq1m_split(blocks, size, _ptr(np.ascontiguousarray(np.stack(px))), _ptr(np.ascontiguousarray(np.stack(pw))),
-                       *map(float, _M_CONSTANTS), *map(_ptr, (scale, i1_best, i2_best, k_best)))
+        sums = np.ascontiguousarray(np.stack(px)), np.ascontiguousarray(np.stack(pw))
+        lib.iq1m_split(blocks, size, *map(pointer, sums), *map(float, _M_CONSTANTS),
+                       *map(pointer, (scale, i1_best, i2_best, k_best)))
     else:
         i1_best, i2_best, k_best = _numpy_split_m(px, pw, scale, size)
     found = (i1_best >= 0) & (i2_best >= 0) & (k_best >= 0)

@@ -50,6 +50,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from core import native
+from core.native import pointer
 from quant.ggml import lattice
 from quant.ggml.numerics import F32, ZERO, f16_bytes, nearest_int, seqsum
 from quant.ggml.rows import encode_by_rows
@@ -85,8 +86,9 @@ def best_neighbours(grid: lattice.Lattice, codes: np.ndarray, xval: np.ndarray, 
     xval, w = np.ascontiguousarray(xval, dtype=F32), np.ascontiguousarray(w, dtype=F32)
     scale = np.ascontiguousarray(np.broadcast_to(scale, (m,)), dtype=F32)
     out = np.empty(m, dtype=np.int32)
-    lib.lattice_best_neighbours(m, n, _ptr(rows), _ptr(grid.neighbours), grid.neighbours.shape[1], _ptr(grid.counts),
-                                _ptr(grid.points), _ptr(values), stride, _ptr(xval), _ptr(w), _ptr(scale), _ptr(out))
+    lib.lattice_best_neighbours(m, n, pointer(rows), pointer(grid.neighbours), grid.neighbours.shape[1],
+                                pointer(grid.counts), pointer(grid.points), pointer(values), stride, pointer(xval),
+                                pointer(w), pointer(scale), pointer(out))
     return out
 
 
@@ -99,12 +101,6 @@ def _kernel() -> ctypes.CDLL | None:
                                                 *[ctypes.c_void_p] * 4]
         lib.lattice_best_neighbours.restype = None
     return lib
-
-
-def _ptr(a: np.ndarray) -> ctypes.c_void_p:
-    """A pointer to a C-contiguous array's data (the grids' tables are built contiguous) that keeps
-    the array alive through the call (a bare address would let a temporary be freed first)."""
-    return a.ctypes.data_as(ctypes.c_void_p)
 
 
 def _numpy_best_neighbours(grid: lattice.Lattice, codes: np.ndarray, xval: np.ndarray, w: np.ndarray,
