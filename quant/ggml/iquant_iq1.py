@@ -126,12 +126,17 @@ def _best_split(xb: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
     else:
         i1_best, i2_best, shift = _numpy_split(sumx, sumw, scale)
     found = (i1_best >= 0) & (i2_best >= 0) & (shift != 0)
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(BLOCK)[None, :], axis=1)
-    L = np.where(rank < i1_best[:, None], 0, np.where(rank < i2_best[:, None], 1, 2))
     negative = scale < 0
-    L = np.where(negative[:, None], 2 - L, L)
-    return np.abs(scale), np.where(negative, -shift, shift), L, found
+    return np.abs(scale), np.where(negative, -shift, shift), _split_levels(order, i1_best, i2_best, negative), found
+
+
+def _split_levels(order: np.ndarray, i1: np.ndarray, i2: np.ndarray, negative: np.ndarray) -> np.ndarray:
+    """Each value's level from its block's cut points in sorted ``order``: 0 below ``i1``, 1 below
+    ``i2``, else 2; mirrored where the fitted scale is ``negative``."""
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(order.shape[1])[None, :], axis=1)
+    L = np.where(rank < i1[:, None], 0, np.where(rank < i2[:, None], 1, 2))
+    return np.where(negative[:, None], 2 - L, L)
 
 
 def _numpy_split(sumx: np.ndarray, sumw: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -288,12 +293,8 @@ def _best_split_m(xb: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray
     else:
         i1_best, i2_best, k_best = _numpy_split_m(px, pw, scale, size)
     found = (i1_best >= 0) & (i2_best >= 0) & (k_best >= 0)
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(size)[None, :], axis=1)
-    L = np.where(rank < i1_best[:, None], 0, np.where(rank < i2_best[:, None], 1, 2))
     negative = scale < 0
-    L = np.where(negative[:, None], 2 - L, L)
-    return np.abs(scale), np.where(negative, 3 - k_best, k_best), L, found
+    return np.abs(scale), np.where(negative, 3 - k_best, k_best), _split_levels(order, i1_best, i2_best, negative), found
 
 
 def _numpy_split_m(px: list[np.ndarray], pw: list[np.ndarray], scale: np.ndarray,
