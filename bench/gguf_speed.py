@@ -23,7 +23,9 @@ matrix is measured once on the calibration text, before timing, and both sides q
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -67,6 +69,7 @@ def main() -> None:
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.threads])
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="gguf_speed_"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # its GGUF files are scratch: none left behind
     ckpt = HFCheckpoint.open(args.model)
     params = sum(int(torch.Size(ckpt.shape(n)).numel()) for n in ckpt.names)
 
