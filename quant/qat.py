@@ -52,7 +52,7 @@ QUANTIZED = (QuantizedTensor, GGMLTensor)  # what training leaves a Linear's wei
 E2E_STEPS = 0  # the recipe's default: measured in docs/qat.md
 
 StepReport = Callable[[str, int, int, float], None]  # (phase, step, steps, loss)
-HeldReport = Callable[[int, float], None]  # (steps taken, loss on the held-out windows)
+HeldReport = Callable[[str, int, float], None]  # (grid: "training" or "gptq", steps taken, loss on the held-out windows)
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,8 @@ class QATSettings:
     accumulate: int = 1  # micro-batches whose gradients make one step
     learn_scales: bool = True
     init: Literal["rtn", "gptq"] = "rtn"
-    damp: float = 0.01  # GPTQ's damping, with init "gptq"
+    keep_gptq: bool = True  # from RTN's grid: a layer keeps GPTQ's solution where it is better on the held-out windows
+    damp: float = 0.01  # GPTQ's damping, with init "gptq" or keep_gptq
     seed: int = 0  # the order windows are drawn in
     e2e_steps: int = 0  # steps of the end-to-end phase (0: none)
     e2e_lr: float = 1e-3  # its AdamW rate, relative to each scale, cosine-decayed to zero
@@ -80,7 +81,7 @@ def qat_model(ckpt: HFCheckpoint, windows: torch.Tensor, spec: Grid, settings: Q
     one ``LayerResult`` per layer: the quantized weights as trained and each one's relative output
     error on the calibration inputs against the float model (quant/error.py). ``on_step(phase,
     step, steps, loss)`` follows training, and the loss on the held-out windows as the phase
-    "layer i/n held out" (step -1: the starting grid's); ``checkpoint`` is a folder to save progress in and resume
+    "layer i/n held out" (step -1: the starting grid's), GPTQ's as "layer i/n held out gptq"; ``checkpoint`` is a folder to save progress in and resume
     from."""
     if spec == Q4_K:
         if settings.init != "rtn":
@@ -98,7 +99,8 @@ def qat_model(ckpt: HFCheckpoint, windows: torch.Tensor, spec: Grid, settings: Q
         result = saved.layer(index) if saved else None
         if result is None:
             result = qat_layer(step, spec, settings, modules, lambda i, loss: report(phase, i, settings.steps, loss),
-                               lambda done, loss: report(f"{phase} held out", done - 1, settings.steps, loss))
+                               lambda grid, done, loss: report(f"{phase} held out" + (f" {grid}" if grid != "training" else ""),
+                                                               done - 1, settings.steps, loss))
             if saved:
                 saved.save_layer(index, result)
         else:  # trained before the run was stopped: the next layers see what it computes
@@ -121,7 +123,11 @@ def qat_model(ckpt: HFCheckpoint, windows: torch.Tensor, spec: Grid, settings: Q
 def qat_layer(step: LayerStep, spec: Grid, settings: QATSettings, modules: Collection[str] | None = None,
               on_step: Callable[[int, float], None] | None = None, on_held: HeldReport | None = None) -> LayerResult:
     """Block-AP on one decoder layer of a walk; the layer keeps the trained quantized weights, so
-    the layers after it are trained on what the quantized model computes."""
+    the layers after it are trained on what the quantized model computes. Trained from RTN's grid
+    with ``keep_gptq``, it keeps GPTQ's solution instead where that is better on the held-out
+    windows: where the weights already lie on a grid near the one trained (Gemma-3-270M's, read
+    from a Q4_K_M file, at W4), GPTQ lands close to it and training from RTN does not find it
+    (docs/qat.md)."""
     base, layer, inputs = step
     linears = {n: m for n, m in layer.named_modules()
                if isinstance(m, torch.nn.Linear) and (modules is None or base + n in modules)}
@@ -133,8 +139,10 @@ def qat_layer(step: LayerStep, spec: Grid, settings: QATSettings, modules: Colle
     grids = _initial_grids(step, linears, hessians, spec, settings)
     weights = {n: g.dequantize().to(floats[n].device) if settings.init == "gptq" else floats[n]  # read, not changed
                for n, g in grids.items()}
+    rival = (_gptq_grids(step, linears, hessians, spec, settings)
+             if settings.keep_gptq and settings.init == "rtn" and spec != Q4_K else None)
     trained = _train(layer, inputs, targets, weights, grids, settings, on_step or (lambda i, loss: None),
-                     on_held or (lambda done, loss: None))
+                     on_held or (lambda grid, done, loss: None), rival)
     results, errors = {}, {}
     for n, tensor in trained.items():
         _assign(linears[n], tensor)
@@ -171,12 +179,19 @@ def _initial_grids(step: LayerStep, linears: dict, hessians: dict, spec: Grid,
         return {n: encode(m.weight.data.cpu(), Q4_K, step.prefix + n) for n, m in linears.items()}
     if settings.init == "rtn":
         return {n: quantize_rtn(m.weight.data, spec, step.prefix + n) for n, m in linears.items()}
+    return _gptq_grids(step, linears, hessians, spec, settings)
+
+
+def _gptq_grids(step: LayerStep, linears: dict, hessians: dict, spec: QuantSpec,
+                settings: QATSettings) -> dict[str, QuantizedTensor]:
+    """GPTQ's solution for each Linear on the inputs the walk gives the layer."""
     gptq = GPTQSettings(damp=settings.damp)
     return {n: gptq_quantize(m.weight.data, hessians[n], spec, gptq, step.prefix + n).tensor for n, m in linears.items()}
 
 
 def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict, grids: dict,
-           settings: QATSettings, on_step, on_held: HeldReport) -> dict[str, QuantizedTensor | GGMLTensor]:
+           settings: QATSettings, on_step, on_held: HeldReport,
+           rival: dict[str, QuantizedTensor] | None = None) -> dict[str, QuantizedTensor | GGMLTensor]:
     """AdamW on the mean squared error of the layer's outputs, ``accumulate`` batches of windows
     per step, over the named Linears' ``weights`` on their starting ``grids``.
 
@@ -187,7 +202,9 @@ def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict,
     (docs/qat.md). Training stops at a look worse than the starting grid once half the steps are
     done. Not before: while the rate is high a layer's held-out loss can jump (Gemma-3-270M's
     layers rose 2-5x at the first look, then fell far below the start), and stopping after a few
-    looks without a better one cut the ref model's last layer at 50 of 200 steps."""
+    looks without a better one cut the ref model's last layer at 50 of 200 steps. A ``rival``
+    solution (GPTQ's grids) is returned instead of the trained grids where its held-out loss is
+    lower."""
     trainable = {n: trainable_grid(weights[n], grids[n], settings.learn_scales) for n in grids}
     params = [p for g in trainable.values() for p in g.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
@@ -200,22 +217,22 @@ def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict,
     train, held = _split(len(hidden), settings.holdout, generator)
     bf16 = fast_bf16(hidden.device)
 
-    def loss_on(batch: torch.Tensor) -> torch.Tensor:
-        params_now = dict(frozen) | {f"{n}.weight": g() for n, g in trainable.items()}
+    def loss_on(batch: torch.Tensor, weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        params_now = dict(frozen) | (weights or {f"{n}.weight": g() for n, g in trainable.items()})
         with torch.autocast(hidden.device.type, dtype=torch.bfloat16, enabled=bf16):
             out = functional_call(layer, params_now, (hidden[batch],), kwargs)
         out = out[0] if isinstance(out, tuple) else out
         return torch.nn.functional.mse_loss(out.float(), targets[batch].float())
 
-    def held_loss() -> float:
+    def held_loss(weights: dict[str, torch.Tensor] | None = None) -> float:
         with torch.no_grad():
-            return sum(loss_on(batch).item() * len(batch) for batch in held.split(settings.batch)) / len(held)
+            return sum(loss_on(batch, weights).item() * len(batch) for batch in held.split(settings.batch)) / len(held)
 
     guarded = len(held) > 0
     start = best = held_loss() if guarded else math.inf
     kept = _snapshot(params) if guarded else []
     if guarded:
-        on_held(0, start)
+        on_held("training", 0, start)
     order = torch.empty(0, dtype=torch.long)
     for i in range(settings.steps):
         optimizer.zero_grad(set_to_none=True)
@@ -232,13 +249,20 @@ def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict,
         on_step(i, total)
         if guarded and ((i + 1) % settings.check_every == 0 or i + 1 == settings.steps):
             now = held_loss()
-            on_held(i + 1, now)
+            on_held("training", i + 1, now)
             if now < best:
                 best, kept = now, _snapshot(params)
             elif now >= start and i + 1 >= settings.steps / 2:  # the rate under half its peak: no longer its noise
                 break
-    if guarded:
-        _restore(params, kept)
+    if not guarded:
+        return {n: g.quantized() for n, g in trainable.items()}
+    _restore(params, kept)
+    if rival is not None:
+        device = next(iter(frozen.values())).device
+        theirs = held_loss({f"{n}.weight": t.dequantize().to(device, frozen[f"{n}.weight"].dtype) for n, t in rival.items()})
+        on_held("gptq", 0, theirs)
+        if theirs < best:
+            return rival
     return {n: g.quantized() for n, g in trainable.items()}
 
 
