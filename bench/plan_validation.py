@@ -71,7 +71,7 @@ REPEATS = 7  # of each calibration micro-run (the median is taken)
 ROWS = (("ours", 1), ("ours", 8), ("ours", 32), ("vllm", 8), ("vllm", 32))
 TOLERANCE = 0.25
 CALIBRATION_DECODE = (16, 65)  # prompt, answer of the decode micro-runs
-CALIBRATION_BATCHES = (1, 16)  # requests decoding together in them (one at a time, then all at once)
+CALIBRATION_BATCHES = (4, 16)  # requests decoding together in them: vLLM's one alone runs slower than 16 (docs/plan.md)
 BACKGROUND_ANSWER = 400  # tokens the 16 requests decode while the calibration prompts are timed
 TOGETHER = 4  # prompts sent at once for the matmul rate's second point
 
@@ -187,7 +187,7 @@ class Calibration:
 def calibrate(url: str, work, gpu, tokenizer, skip_ids: int) -> Calibration:
     """Constants from micro-runs on other prompts than the loads', medians of ``REPEATS``:
 
-    - TPOT of one and of 16 short requests decoding together (pure decode steps): a step's fixed
+    - TPOT of 4 and of 16 short requests decoding together (pure decode steps): a step's fixed
       overhead and its cost per sequence, beyond the roofline's kernel time;
     - TTFT of a prompt of the loads' length sent while 16 requests decode: the wait for the
       decode step under way, then the step that carries it with the 16 decode tokens. Less that
@@ -209,10 +209,16 @@ def calibrate(url: str, work, gpu, tokenizer, skip_ids: int) -> Calibration:
     ids = tokenizer(TEXT.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"][skip_ids:]
     prompt, answer = CALIBRATION_DECODE
     (b1, b2), share = CALIBRATION_BATCHES, 0.5
-    alone = [(ids[i * 20 : i * 20 + prompt], answer) for i in range(REPEATS + 1)]
     together = [(ids[i * 20 : i * 20 + prompt], answer) for i in range(b2)]
-    decode = {b1: statistics.median(t.tpot_s for t in http_closed_loop(url, alone, 1)[1:]),
-              b2: statistics.median(statistics.median(t.tpot_s for t in http_closed_loop(url, together, b2)) for _ in range(REPEATS))}
+
+    def decode_tpot(batch: int) -> float:
+        if batch == 1:
+            alone = [(ids[i * 20 : i * 20 + prompt], answer) for i in range(REPEATS + 1)]
+            return statistics.median(t.tpot_s for t in http_closed_loop(url, alone, 1)[1:])
+        return statistics.median(statistics.median(t.tpot_s for t in http_closed_loop(url, together[:batch], batch))
+                                 for _ in range(REPEATS))
+
+    decode = {b: decode_tpot(b) for b in (b1, b2)}
     mixed = {}
     for n in (1, TOGETHER):
         groups = [[ids[1000 + (k * n + j) * PROMPT : 1000 + (k * n + j + 1) * PROMPT] for j in range(n)] for k in range(REPEATS)]
