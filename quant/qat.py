@@ -23,7 +23,7 @@ with AVX512-BF16 or AMX), with float32 master weights; elsewhere in float32, whi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Collection, Iterator, Literal
 
@@ -52,7 +52,7 @@ QUANTIZED = (QuantizedTensor, GGMLTensor)  # what training leaves a Linear's wei
 E2E_STEPS = 0  # the recipe's default: measured in docs/qat.md
 
 StepReport = Callable[[str, int, int, float], None]  # (phase, step, steps, loss)
-HeldReport = Callable[[str, int, float], None]  # (start: "rtn" or "gptq", steps taken, loss on the held-out windows)
+HeldReport = Callable[[str, int, float], None]  # (grid: "training" or "gptq", steps taken, loss on the held-out windows)
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,8 @@ class QATSettings:
     accumulate: int = 1  # micro-batches whose gradients make one step
     learn_scales: bool = True
     init: Literal["rtn", "gptq"] = "rtn"
-    try_gptq: bool = True  # from RTN's grid: a layer trains again from GPTQ's where that is better on the held-out windows
-    damp: float = 0.01  # GPTQ's damping, with init "gptq" or try_gptq
+    keep_gptq: bool = True  # from RTN's grid: a layer keeps GPTQ's solution where it is better on the held-out windows
+    damp: float = 0.01  # GPTQ's damping, with init "gptq" or keep_gptq
     seed: int = 0  # the order windows are drawn in
     e2e_steps: int = 0  # steps of the end-to-end phase (0: none)
     e2e_lr: float = 1e-3  # its AdamW rate, relative to each scale, cosine-decayed to zero
@@ -81,8 +81,7 @@ def qat_model(ckpt: HFCheckpoint, windows: torch.Tensor, spec: Grid, settings: Q
     one ``LayerResult`` per layer: the quantized weights as trained and each one's relative output
     error on the calibration inputs against the float model (quant/error.py). ``on_step(phase,
     step, steps, loss)`` follows training, and the loss on the held-out windows as the phase
-    "layer i/n held out" (step -1: the starting grid's), and from GPTQ's grid where ``try_gptq``
-    weighs it as "layer i/n held out from gptq"; ``checkpoint`` is a folder to save progress in and resume
+    "layer i/n held out" (step -1: the starting grid's), GPTQ's as "layer i/n held out gptq"; ``checkpoint`` is a folder to save progress in and resume
     from."""
     if spec == Q4_K:
         if settings.init != "rtn":
@@ -100,9 +99,8 @@ def qat_model(ckpt: HFCheckpoint, windows: torch.Tensor, spec: Grid, settings: Q
         result = saved.layer(index) if saved else None
         if result is None:
             result = qat_layer(step, spec, settings, modules, lambda i, loss: report(phase, i, settings.steps, loss),
-                               lambda start, done, loss: report(
-                                   f"{phase} held out" + (" from gptq" if start == "gptq" and settings.init == "rtn" else ""),
-                                   done - 1, settings.steps, loss))
+                               lambda grid, done, loss: report(f"{phase} held out" + (f" {grid}" if grid != "training" else ""),
+                                                               done - 1, settings.steps, loss))
             if saved:
                 saved.save_layer(index, result)
         else:  # trained before the run was stopped: the next layers see what it computes
@@ -125,14 +123,13 @@ def qat_model(ckpt: HFCheckpoint, windows: torch.Tensor, spec: Grid, settings: Q
 def qat_layer(step: LayerStep, spec: Grid, settings: QATSettings, modules: Collection[str] | None = None,
               on_step: Callable[[int, float], None] | None = None, on_held: HeldReport | None = None) -> LayerResult:
     """Block-AP on one decoder layer of a walk; the layer keeps the trained quantized weights, so
-    the layers after it are trained on what the quantized model computes.
-
-    From RTN's grid with ``try_gptq``, GPTQ's solution is weighed on the held-out windows too;
-    where it beats the grid trained from RTN, the layer is trained again from GPTQ's (keeping
-    GPTQ's where that training finds nothing better). So a layer ends no worse there than either
-    start. Where the weights already lie near the grid trained (Gemma-3-270M's, read from a Q4_K_M
-    file, at W4), GPTQ lands close to it and training from RTN does not find it; elsewhere RTN's
-    start trains better (docs/qat.md)."""
+    the layers after it are trained on what the quantized model computes. Trained from RTN's grid
+    with ``keep_gptq``, it keeps GPTQ's solution instead where that is better on the held-out
+    windows: where the weights already lie on a grid near the one trained (Gemma-3-270M's, read
+    from a Q4_K_M file, at W4), GPTQ lands close to it and training from RTN does not find it
+    (docs/qat.md). Training again from GPTQ's grid was tried where it won: on Gemma's 7 such
+    layers the held-out loss rose from the first look and the guard kept GPTQ's grid each time,
+    so it is not done."""
     base, layer, inputs = step
     linears = {n: m for n, m in layer.named_modules()
                if isinstance(m, torch.nn.Linear) and (modules is None or base + n in modules)}
@@ -144,18 +141,10 @@ def qat_layer(step: LayerStep, spec: Grid, settings: QATSettings, modules: Colle
     grids = _initial_grids(step, linears, hessians, spec, settings)
     weights = {n: g.dequantize().to(floats[n].device) if settings.init == "gptq" else floats[n]  # read, not changed
                for n, g in grids.items()}
-    on_step, on_held = on_step or (lambda i, loss: None), on_held or (lambda start, done, loss: None)
-    trained, best = _train(layer, inputs, targets, weights, grids, settings, on_step,
-                           lambda done, loss: on_held(settings.init, done, loss))
-    if settings.try_gptq and settings.init == "rtn" and spec != Q4_K and best < math.inf:
-        gptq = _gptq_grids(step, linears, hessians, spec, settings)
-        start = {n: g.dequantize().to(floats[n].device, floats[n].dtype) for n, g in gptq.items()}
-        theirs = _train(layer, inputs, targets, start, gptq, replace(settings, steps=0), on_step,
-                        lambda done, loss: on_held("gptq", done, loss))[1]
-        if theirs < best:
-            retrained, again = _train(layer, inputs, targets, start, gptq, settings, on_step,
-                                      lambda done, loss: on_held("gptq", done, loss) if done else None)
-            trained = retrained if again < theirs else gptq
+    rival = (_gptq_grids(step, linears, hessians, spec, settings)
+             if settings.keep_gptq and settings.init == "rtn" and spec != Q4_K else None)
+    trained = _train(layer, inputs, targets, weights, grids, settings, on_step or (lambda i, loss: None),
+                     on_held or (lambda grid, done, loss: None), rival)
     results, errors = {}, {}
     for n, tensor in trained.items():
         _assign(linears[n], tensor)
@@ -203,8 +192,8 @@ def _gptq_grids(step: LayerStep, linears: dict, hessians: dict, spec: QuantSpec,
 
 
 def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict, grids: dict,
-           settings: QATSettings, on_step: Callable[[int, float], None],
-           on_held: Callable[[int, float], None]) -> tuple[dict[str, QuantizedTensor | GGMLTensor], float]:
+           settings: QATSettings, on_step, on_held: HeldReport,
+           rival: dict[str, QuantizedTensor] | None = None) -> dict[str, QuantizedTensor | GGMLTensor]:
     """AdamW on the mean squared error of the layer's outputs, ``accumulate`` batches of windows
     per step, over the named Linears' ``weights`` on their starting ``grids``.
 
@@ -215,14 +204,14 @@ def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict,
     (docs/qat.md). Training stops at a look worse than the starting grid once half the steps are
     done. Not before: while the rate is high a layer's held-out loss can jump (Gemma-3-270M's
     layers rose 2-5x at the first look, then fell far below the start), and stopping after a few
-    looks without a better one cut the ref model's last layer at 50 of 200 steps. Returns the
-    grids kept and their held-out loss (infinite with no windows held out); with no steps, the
-    starting grids and theirs."""
+    looks without a better one cut the ref model's last layer at 50 of 200 steps. A ``rival``
+    solution (GPTQ's grids) is returned instead of the trained grids where its held-out loss is
+    lower."""
     trainable = {n: trainable_grid(weights[n], grids[n], settings.learn_scales) for n in grids}
     params = [p for g in trainable.values() for p in g.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda i: 0.5 * (1 + math.cos(math.pi * i / max(settings.steps, 1))))
+        optimizer, lambda i: 0.5 * (1 + math.cos(math.pi * i / settings.steps)))
     hidden = inputs.hidden.clone()  # out of inference mode: autograd needs ordinary tensors
     kwargs = {k: _ordinary(v) for k, v in inputs.kwargs(layer).items()}
     generator = torch.Generator().manual_seed(settings.seed)
@@ -230,22 +219,22 @@ def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict,
     train, held = _split(len(hidden), settings.holdout, generator)
     bf16 = fast_bf16(hidden.device)
 
-    def loss_on(batch: torch.Tensor) -> torch.Tensor:
-        params_now = dict(frozen) | {f"{n}.weight": g() for n, g in trainable.items()}
+    def loss_on(batch: torch.Tensor, weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        params_now = dict(frozen) | (weights or {f"{n}.weight": g() for n, g in trainable.items()})
         with torch.autocast(hidden.device.type, dtype=torch.bfloat16, enabled=bf16):
             out = functional_call(layer, params_now, (hidden[batch],), kwargs)
         out = out[0] if isinstance(out, tuple) else out
         return torch.nn.functional.mse_loss(out.float(), targets[batch].float())
 
-    def held_loss() -> float:
+    def held_loss(weights: dict[str, torch.Tensor] | None = None) -> float:
         with torch.no_grad():
-            return sum(loss_on(batch).item() * len(batch) for batch in held.split(settings.batch)) / len(held)
+            return sum(loss_on(batch, weights).item() * len(batch) for batch in held.split(settings.batch)) / len(held)
 
     guarded = len(held) > 0
     start = best = held_loss() if guarded else math.inf
     kept = _snapshot(params) if guarded else []
     if guarded:
-        on_held(0, start)
+        on_held("training", 0, start)
     order = torch.empty(0, dtype=torch.long)
     for i in range(settings.steps):
         optimizer.zero_grad(set_to_none=True)
@@ -262,14 +251,21 @@ def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict,
         on_step(i, total)
         if guarded and ((i + 1) % settings.check_every == 0 or i + 1 == settings.steps):
             now = held_loss()
-            on_held(i + 1, now)
+            on_held("training", i + 1, now)
             if now < best:
                 best, kept = now, _snapshot(params)
             elif now >= start and i + 1 >= settings.steps / 2:  # the rate under half its peak: no longer its noise
                 break
-    if guarded:
-        _restore(params, kept)
-    return {n: g.quantized() for n, g in trainable.items()}, best
+    if not guarded:
+        return {n: g.quantized() for n, g in trainable.items()}
+    _restore(params, kept)
+    if rival is not None:
+        device = next(iter(frozen.values())).device
+        theirs = held_loss({f"{n}.weight": t.dequantize().to(device, frozen[f"{n}.weight"].dtype) for n, t in rival.items()})
+        on_held("gptq", 0, theirs)
+        if theirs < best:
+            return rival
+    return {n: g.quantized() for n, g in trainable.items()}
 
 
 def _split(count: int, share: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
