@@ -344,10 +344,10 @@ def serve(
     from runner.server.serve import serve as run_server
 
     check_options(host, port, max_waiting, max_request_bytes)
-    run_server(lambda: _llm(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, kv_memory,
-                            max_model_len, enable_prefix_caching, speculative, enforce_eager),
-               host, port, served_model_name or (str(model) if hub_id(model) else model.resolve().name), api_key, max_waiting,
-               chat_template, lambda line: console.print(escape(line), highlight=False), max_request_bytes)
+    llm = _llm(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, kv_memory, max_model_len,
+               enable_prefix_caching, speculative, enforce_eager)
+    run_server(llm, host, port, served_model_name or (str(model) if hub_id(model) else model.resolve().name), api_key, max_waiting, chat_template,
+               lambda line: console.print(escape(line), highlight=False), max_request_bytes)
 
 
 def _lengths(text: str, flag: str) -> tuple[int, ...]:

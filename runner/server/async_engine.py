@@ -1,12 +1,5 @@
 """The engine on a thread of its own, for a server's event loop.
 
-`quantize serve` loads the model on that thread too (``serve_on_own_thread``). OpenMP keeps a pool of
-worker threads for each thread that starts parallel work; with two pools (the loading thread's and
-the engine thread's) more threads are managed than there are cores, and libgomp stops spinning
-between parallel regions, so each of a step's hundreds of small products waits for its workers to
-wake: on the 2-core VM the same ops ran 1.6x slower on a second thread than on the first
-(docs/runner.md).
-
 The event loop never runs the model. It hands requests and aborts to the engine thread through an
 inbox; the thread takes them between steps, runs a step, and posts each request's new tokens and
 text to that request's asyncio queue. A client that leaves is aborted before the next step, so its
@@ -22,7 +15,6 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable
 
 from core.errors import InputError
 from runner.engine.llm import LLM
@@ -77,47 +69,20 @@ def _post(loop: asyncio.AbstractEventLoop, updates: list[tuple[Request, Update]]
 
 
 class AsyncEngine:
-    def __init__(self, llm: LLM, max_waiting: int, thread: threading.Thread | None = None):
-        """``thread``: the thread that runs the loop (``run``), already started; by default
-        ``start`` starts one."""
+    def __init__(self, llm: LLM, max_waiting: int):
         self.llm, self.engine, self.max_waiting = llm, llm.engine, max_waiting
         self.metrics = ServerMetrics()
         self._inbox: queue.SimpleQueue[tuple[str, Request]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._closing = False
         self._active: dict[int, Request] = {}  # by sequence id; the engine thread's alone
-        self._own = thread is None
-        self._thread = thread or threading.Thread(target=self.run, name="quantbench-engine", daemon=True)
-
-    @classmethod
-    def on_own_thread(cls, build: Callable[[], LLM], max_waiting: int) -> "AsyncEngine":
-        """The engine of the model ``build()`` loads, loaded and run on a new thread, so that one
-        thread alone ever runs torch's parallel work; ``build``'s error is raised here."""
-        made: dict[str, object] = {}
-        ready = threading.Event()
-
-        def load_and_run() -> None:
-            try:
-                made["engine"] = engine = cls(build(), max_waiting, threading.current_thread())
-            except BaseException as error:  # noqa: BLE001 - raised on the caller's thread
-                made["error"] = error
-                return
-            finally:
-                ready.set()
-            engine.run()
-
-        threading.Thread(target=load_and_run, name="quantbench-engine", daemon=True).start()
-        ready.wait()
-        if "error" in made:
-            raise made["error"]  # type: ignore[misc]
-        return made["engine"]  # type: ignore[return-value]
+        self._thread = threading.Thread(target=self._run, name="quantbench-engine", daemon=True)
 
     def start(self) -> None:
-        if self._own:
-            self._thread.start()
+        self._thread.start()
 
     def close(self) -> None:
-        """Stop the loop; every request still open is ended and its blocks freed."""
+        """Stop the thread; every request still open is ended and its blocks freed."""
         self._closing = True
         self._wake.set()
         self._thread.join()
@@ -143,8 +108,7 @@ class AsyncEngine:
         self._inbox.put(("abort", request))
         self._wake.set()
 
-    def run(self) -> None:
-        """The loop, on ``self._thread``, until ``close``."""
+    def _run(self) -> None:
         while True:
             self._take_inbox()
             if self._closing:

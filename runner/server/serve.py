@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
-from typing import Callable
 
 from core.errors import InputError
 from runner.engine.llm import LLM
@@ -27,9 +26,8 @@ def check_options(host: str, port: int, max_waiting: int, max_request_bytes: int
         raise InputError(f"--host {host} --port {port}: cannot listen there ({error.strerror or error})") from None
 
 
-def serve(build: Callable[[], LLM], host: str, port: int, model_name: str, api_key: str | None, max_waiting: int,
+def serve(llm: LLM, host: str, port: int, model_name: str, api_key: str | None, max_waiting: int,
           chat_template: Path | None, announce, max_request_bytes: int | None = None) -> None:
-    """``build`` loads the model, on the engine's thread (runner/server/async_engine.py says why)."""
     import uvicorn
 
     template = None
@@ -38,6 +36,6 @@ def serve(build: Callable[[], LLM], host: str, port: int, model_name: str, api_k
             template = chat_template.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as error:
             raise InputError(f"--chat-template {chat_template}: cannot read it ({error})") from None
-    app = create_app(AsyncEngine.on_own_thread(build, max_waiting), model_name, api_key, template, max_request_bytes)
+    app = create_app(AsyncEngine(llm, max_waiting), model_name, api_key, template, max_request_bytes)
     announce(f"serving {model_name} on http://{host}:{port}/v1 (OpenAI API; Ctrl-C stops)")
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
