@@ -142,7 +142,7 @@ def qat_layer(step: LayerStep, spec: Grid, settings: QATSettings, modules: Colle
     weights = {n: g.dequantize().to(floats[n].device) if settings.init == "gptq" else floats[n]  # read, not changed
                for n, g in grids.items()}
     rival = (_gptq_grids(step, linears, hessians, spec, settings)
-             if settings.keep_gptq and settings.init == "rtn" and spec != Q4_K else None)
+             if settings.keep_gptq and settings.init == "rtn" and spec != Q4_K and settings.holdout > 0 else None)
     trained = _train(layer, inputs, targets, weights, grids, settings, on_step or (lambda i, loss: None),
                      on_held or (lambda grid, done, loss: None), rival)
     results, errors = {}, {}

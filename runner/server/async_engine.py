@@ -51,21 +51,10 @@ class Request:
     sent_tokens: int = 0
 
     def post(self, update: Update) -> None:
-        _post(self.loop, [(self, update)])
-
-
-def _post(loop: asyncio.AbstractEventLoop, updates: list[tuple[Request, Update]]) -> None:
-    """Hand updates to their requests' queues with one wake-up of the event loop: a step's tokens
-    for every running stream at once, not a wake-up (a write to the loop's self-pipe, a turn of
-    the loop holding the GIL the engine thread needs) per stream."""
-    def deliver() -> None:
-        for request, update in updates:
-            request.updates.put_nowait(update)
-
-    try:
-        loop.call_soon_threadsafe(deliver)
-    except RuntimeError:  # the event loop is gone (the server is shutting down)
-        pass
+        try:
+            self.loop.call_soon_threadsafe(self.updates.put_nowait, update)
+        except RuntimeError:  # the event loop is gone (the server is shutting down)
+            pass
 
 
 class AsyncEngine:
@@ -147,33 +136,23 @@ class AsyncEngine:
 
     def _end(self, request: Request, reason: str, error: tuple[int, str] | None = None) -> None:
         self.engine.finish(request.seq, reason)
-        update = self._update(request, error)
-        if update is not None:
-            request.post(update)
+        self._publish_one(request, error)
 
     def _publish(self) -> None:
-        """Every request's progress after a step, posted per event loop in one go."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Request, Update]]] = {}
         for request in list(self._active.values()):
-            update = self._update(request)
-            if update is not None:
-                by_loop.setdefault(request.loop, []).append((request, update))
-        for loop, updates in by_loop.items():
-            _post(loop, updates)
+            self._publish_one(request)
 
-    def _update(self, request: Request, error: tuple[int, str] | None = None) -> Update | None:
-        """The request's progress since its last update (None: nothing new); a finished request
-        leaves the active set and is counted in the metrics."""
+    def _publish_one(self, request: Request, error: tuple[int, str] | None = None) -> None:
         seq = request.seq
         done = seq.finish_reason is not None
         text = self.llm.visible_text(seq) if not error else ""
         tokens = seq.output_ids[request.sent_tokens:]
         if not done and not tokens and len(text) == request.sent_text:
-            return None
+            return
         update = Update(text[request.sent_text:], tokens, seq.logprobs[request.sent_tokens:],
                         seq.top_logprobs[request.sent_tokens:], seq.finish_reason if done else None, error)
         request.sent_text, request.sent_tokens = max(request.sent_text, len(text)), len(seq.output_ids)
         if done:
             del self._active[seq.id]
             self.metrics.observe(seq.metrics, seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids))
-        return update
+        request.post(update)
