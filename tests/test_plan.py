@@ -155,6 +155,7 @@ def _simulated_closed_loop(work: ModelWork, device: Device, users: int, prompt: 
     return {"ttft": median(ttft), "tpot": median(tpot)}
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("users", [1, 8, 32, 64])
 def test_the_serving_model_matches_a_simulated_closed_loop_of_independent_users(llama8b, users):
     """The batched model (a Poisson number of prompts per step, the wait for the step under way,
