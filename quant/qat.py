@@ -81,8 +81,8 @@ def qat_model(ckpt: HFCheckpoint, windows: torch.Tensor, spec: Grid, settings: Q
     one ``LayerResult`` per layer: the quantized weights as trained and each one's relative output
     error on the calibration inputs against the float model (quant/error.py). ``on_step(phase,
     step, steps, loss)`` follows training, and the loss on the held-out windows as the phase
-    "layer i/n held out" (step -1: the starting grid's), GPTQ's as "layer i/n held out gptq"; ``checkpoint`` is a folder to save progress in and resume
-    from."""
+    "layer i/n held out" (step -1: the starting grid's), GPTQ's as "layer i/n held out gptq";
+    ``checkpoint`` is a folder to save progress in and resume from."""
     if spec == Q4_K:
         if settings.init != "rtn":
             raise InputError("QAT on Q4_K starts from llama.cpp's own Q4_K (init: rtn), not from GPTQ")

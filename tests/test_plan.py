@@ -4,6 +4,7 @@ the engine rule, refusals in one line, and the JSON."""
 
 import json
 import math
+import statistics
 
 import pytest
 
@@ -151,8 +152,7 @@ def _simulated_closed_loop(work: ModelWork, device: Device, users: int, prompt: 
             sent_at[u] = now
             if issued < len(answers):
                 sent.append(u)
-    median = lambda pairs: sorted(v for counted, v in pairs if counted)[len([1 for c, _ in pairs if c]) // 2]  # noqa: E731
-    return {"ttft": median(ttft), "tpot": median(tpot)}
+    return {name: statistics.median(v for counted, v in pairs if counted) for name, pairs in (("ttft", ttft), ("tpot", tpot))}
 
 
 @pytest.mark.check

@@ -32,8 +32,8 @@ class QATWeights(Targeted):
     each layer trained to reproduce the float layer's outputs through the grid its exports store,
     starting from round-to-nearest's or GPTQ's grid and guided by a ``holdout`` share of the windows
     it does not train on (the grid best there is kept, and a layer stops once it stops improving;
-    with ``keep_gptq``, GPTQ's solution where it is better there than the grid trained from RTN), then (``e2e_steps``) the scales and norms of
-    the whole model against the original's next-token distribution (quant/qat.py). The grid is
+    with ``keep_gptq``, GPTQ's solution where it is better there than the grid trained from RTN),
+    then (``e2e_steps``) the scales and norms of the whole model against the original's next-token distribution (quant/qat.py). The grid is
     integer (``bits``, ``symmetric``, ``group_size``), or a GGUF file type's (``gguf``): Q4_0
     (blocks of 32, symmetric 4-bit) or the Q4_K tensors of Q4_K_S and Q4_K_M (super-blocks of
     256 with 6-bit sub-block scales, starting from llama.cpp's own), written into the file as
