@@ -121,8 +121,11 @@ def run_on_ray(job: VariantJob, variants: list[Variant], keys: dict[str, str], r
                 console.print(f"{v.name}: finished on Ray ({rows[v.name].seconds:.1f} s)", markup=False, highlight=False)
                 progress.advance(bar)
     except BaseException:
+        # force: the task's worker is killed, not interrupted. A KeyboardInterrupt that lands inside
+        # an import leaves the worker's modules half initialized, and Ray would hand that worker
+        # the rerun's next task (seen in CI: "partially initialized module 'accelerate.big_modeling'")
         for ref in pending:
-            ray.cancel(ref)
+            ray.cancel(ref, force=True)
         if pending:  # the job fails once its other tasks have stopped: none writes into a rerun's folder
             ray.wait(list(pending), num_returns=len(pending), timeout=_CANCEL_S)
         raise
