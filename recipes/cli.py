@@ -344,10 +344,34 @@ def serve(
     from runner.server.serve import serve as run_server
 
     check_options(host, port, max_waiting, max_request_bytes)
-    llm = _llm(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, kv_memory, max_model_len,
-               enable_prefix_caching, speculative, enforce_eager)
+    llm = _off_the_main_thread(lambda: _llm(model, dtype, kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens,
+                                            kv_memory, max_model_len, enable_prefix_caching, speculative, enforce_eager))
     run_server(llm, host, port, served_model_name or (str(model) if hub_id(model) else model.resolve().name), api_key, max_waiting, chat_template,
                lambda line: console.print(escape(line), highlight=False), max_request_bytes)
+
+
+def _off_the_main_thread(build):
+    """``build()`` run on a thread that ends before serving starts. Each thread that runs torch ops
+    gets its own OpenMP team, and libgomp counts every team's threads: once they outnumber the
+    cores, it makes all of them sleep almost at once between parallel regions, so every small op
+    of an engine step pays a wake-up. Built here, the model's team ends with its thread, and the
+    engine thread's is the only one left."""
+    import threading
+
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = build()
+        except BaseException as error:  # raised again on the calling thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name="quantbench-load")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def _lengths(text: str, flag: str) -> tuple[int, ...]:

@@ -2,7 +2,8 @@
 driven over HTTP on 127.0.0.1 while two other clients send it, again and again, a 50 MB body
 (announced, then chunked, in turn) and a JSON body nested 100,000 deep. Each gets its refusal; meanwhile /health answers
 within 100 ms, a short completion's time to first token stays within 1.5x the one measured just
-before on the same server, and the server's memory grows by at most 200 MB. The quick tests below
+before on the same server (or 10 ms more, where that is larger: see TTFT_SLACK_S), and the
+server's memory grows by at most 200 MB. The quick tests below
 check the pieces: the body's shape read without parsing it, and the token bound's soundness."""
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ from runner.server.token_bound import max_token_bytes, min_tokens
 PROMPT = "It was a bright cold day in April, and the clocks"
 SENDERS = os.environ.get("HOSTILE_SENDERS", "big+chunked,deep").split(",")  # health+health: a control
 GAP = "0.1"  # seconds from a refusal to the sender's next request
+# The short completion's TTFT is 7-10 ms on 2 cores. The senders' bodies still cross the kernel's
+# loopback on those cores and are refused by the event loop, which adds a few ms to the requests
+# it serves meanwhile: 2-3 ms when the engine's OpenMP threads slept between ops, 4-5 ms since
+# they spin (the server builds its model on a thread that ends: recipes/cli.py, 1.29x the
+# throughput under load). 1.5x alone would fail that; a server that parsed the 50 MB would
+# add hundreds of ms.
+TTFT_SLACK_S = 0.010
 HOSTILE = REPO / "tests" / "helpers" / "hostile_client.py"
 
 
@@ -94,7 +102,7 @@ def test_hostile_bodies_cost_their_sender_not_everyone():
     assert fifty == {"413 request_too_large"} and deep == {"400 json_too_deep"}, refusals
     assert min(len(lines) for lines in refusals) >= 4, refusals  # each was refused again and again while measured
     assert max(during_health) < 0.1, report
-    assert statistics.median(during) <= 1.5 * statistics.median(before), report
+    assert statistics.median(during) <= max(1.5 * statistics.median(before), statistics.median(before) + TTFT_SLACK_S), report
     assert max(rss_seen + [rss_after]) - rss_before <= 200 / 1.048576, report  # 200 MB, in MiB
 
 
