@@ -4,11 +4,14 @@
    from the evaluation text at 32, 64, 128 and 256 tokens in turn, outputs of 16, 64, 128 and 256
    tokens in turn, greedy, EOS ignored) against our server (20 running sequences, the default
    ``--max-waiting``, which queues all of them), vLLM CPU's OpenAI server (20 sequences, its own
-   virtualenv; it queues without a limit). Both run side by side and take turns, ``--runs`` rounds
-   (3): the machine drifts from minute to minute, so the ratio is the median of the rounds'
-   ratios. p50/p99 TTFT and TPOT (at the client), output tokens/s, and whether every request
-   completed. Then once, llama.cpp's ``llama-server`` (8 parallel slots, our F16 GGUF of the
-   model), which stalls above about 150 concurrent streams on this load (README).
+   virtualenv; it queues without a limit). Both run side by side; each first runs the whole load
+   once, uncounted (a server's first round ran up to 25% slower than its later ones), then they
+   take turns, ``--runs`` rounds (4), in an order reversed each round: the machine drifts from
+   minute to minute (two identical servers differed by up to 1.5x in a round), so the ratio is
+   the median of the rounds' ratios. p50/p99 TTFT and TPOT (at the client), output tokens/s, and
+   whether every request completed. Then once, llama.cpp's ``llama-server`` (8 parallel slots,
+   our F16 GGUF of the model), which stalls above about 150 concurrent streams on this load
+   (README).
 2. Overload, on our server with ``--max-waiting 60``: the same 200 at once. Every request must
    complete or be refused with 429 within the time limit, 429s only past the 20 running and 60
    waiting; the server must still answer /health afterwards, with every KV block free.
@@ -19,7 +22,7 @@
 Rows whose anchor is not set up are skipped with the command that sets it up
 (``bash bench/anchors/setup.sh llama-server`` / ``vllm``).
 
-    python bench/serve_load.py [--model ../shared/models/ref] [--threads 2] [--runs 3] [--json]
+    python bench/serve_load.py [--model ../shared/models/ref] [--threads 2] [--runs 4] [--json]
 """
 
 from __future__ import annotations
@@ -137,8 +140,8 @@ OVERLOAD_WAITING = 60
 
 
 def throughput(commands: dict[str, tuple[list[str], int, dict]], items, runs: int) -> dict[str, dict]:
-    """Every server started at once, then ``runs`` rounds in which each runs the whole load in
-    turn; per server, each round's summary and the medians over rounds."""
+    """Every server started at once and warmed by the whole load, then ``runs`` rounds in which
+    each runs it in turn; per server, each round's summary and the medians over rounds."""
     rounds: dict[str, list[dict]] = {name: [] for name in commands}
     with ExitStack() as stack:
         urls = {}
@@ -147,10 +150,10 @@ def throughput(commands: dict[str, tuple[list[str], int, dict]], items, runs: in
                 urls[name] = stack.enter_context(servers.running(command, port, env, timeout=600))
             except RuntimeError as error:
                 rounds[name] = f"skipped: {error}"  # type: ignore[assignment]
-        for url in urls.values():
-            asyncio.run(crowd(url, items[:4]))  # warm-up
-        for _ in range(runs):
-            for name, url in urls.items():
+        for url in urls.values():  # a whole load first, not counted
+            asyncio.run(crowd(url, items))
+        for run in range(runs):  # in turn, the order reversed each round: a drifting machine favours neither
+            for name, url in (list(urls.items()) if run % 2 == 0 else list(urls.items())[::-1]):
                 results, seconds = asyncio.run(crowd(url, items))
                 rounds[name].append(summary(results, seconds))
     return {name: r if isinstance(r, str) else _medians(r) for name, r in rounds.items()}
@@ -203,7 +206,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=REPO.parent / "shared" / "models" / "ref")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--runs", type=int, default=3, help="rounds of the throughput load on each server")
+    parser.add_argument("--runs", type=int, default=4, help="rounds of the throughput load on each server")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     from transformers import AutoTokenizer
