@@ -124,6 +124,11 @@ def simulated_kv_cache(model: torch.nn.Module, spec: KVCacheSpec, interleaved: b
 
     def quantized_attention(module, query, key, value, *args, **kwargs):
         if id(module) in layers:
+            # contiguous first: a model run with a cache hands over keys and values concatenated
+            # (contiguous), the recipe's layer walk runs without one and hands over transposed
+            # views; on an Intel Xeon (AVX-512, 2026-12-05) the same keys then quantized to values
+            # one int4 step apart in places, and the walk's scores left the whole model's
+            query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
             k_rotation, v_rotation = rotations(spec, key.shape[-1])
             order = pairs_side_by_side(key.shape[-1]) if interleaved else None
             key, value = _in_order(key, order, spec, k_rotation), fake_quantize_kv(value, spec, v_rotation)
