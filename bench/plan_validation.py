@@ -17,9 +17,10 @@ order (mean 32), greedy, EOS ignored. Real users' answers vary, so their request
 independently, as the planner models them; with answers of 24, 32 and 40 tokens in turn the
 closed loop fell into lock-step, prompts arrived in bursts, and TTFT at 32 in flight came out
 0.68-0.72 of the measured (tests/test_plan.py simulates both). The first wave (as many requests
-as are in flight, all sent at once) is the ramp-up and is not counted; the steady state after it is what the planner models. Each row is
-run three times, each run after its own calibration (below); the medians of the three p50s, of
-the three predictions and of the three ratios are reported.
+as are in flight, all sent at once) is the ramp-up and is not counted; the steady state after it
+is what the planner models. Each row is run three times, each run after its own calibration
+(below); the medians of the three p50s, of the three predictions and of the three ratios are
+reported.
 
 The planner is given the machine as a ``custom:MEM,BANDWIDTH,TFLOPS`` device, its read bandwidth
 and bf16 matmul FLOPs measured in the same run, and each engine's efficiency constants,
