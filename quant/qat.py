@@ -59,6 +59,7 @@ HeldReport = Callable[[str, int, float], None]  # (grid: "training" or "gptq", s
 class QATSettings:
     steps: int = 200  # optimizer steps per decoder layer
     lr: float = 0.01  # AdamW, in steps of the grid per step (see _Grid), cosine-decayed to zero; chosen on four models (docs/qat.md)
+    warmup: float = 0.0  # share of the steps over which the rate rises linearly from zero to lr
     batch: int = 2  # calibration windows per micro-batch
     accumulate: int = 1  # micro-batches whose gradients make one step
     learn_scales: bool = True
@@ -210,8 +211,7 @@ def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict,
     trainable = {n: trainable_grid(weights[n], grids[n], settings.learn_scales) for n in grids}
     params = [p for g in trainable.values() for p in g.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda i: 0.5 * (1 + math.cos(math.pi * i / settings.steps)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: _rate(i, settings.steps, settings.warmup))
     hidden = inputs.hidden.clone()  # out of inference mode: autograd needs ordinary tensors
     kwargs = {k: _ordinary(v) for k, v in inputs.kwargs(layer).items()}
     generator = torch.Generator().manual_seed(settings.seed)
@@ -266,6 +266,13 @@ def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict,
         if theirs < best:
             return rival
     return {n: g.quantized() for n, g in trainable.items()}
+
+
+def _rate(step: int, steps: int, warmup: float) -> float:
+    """The share of the peak rate at ``step``: a linear rise over the first ``warmup`` share of the
+    steps, then a cosine decay to zero."""
+    rise = warmup * steps
+    return min(1.0, (step + 1) / rise if rise else 1.0) * 0.5 * (1 + math.cos(math.pi * step / steps))
 
 
 def _split(count: int, share: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
