@@ -47,6 +47,7 @@ def _gemma3() -> Path:
     if target.is_file():
         return target
     partial = target.with_name(target.name + ".partial")
+    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as download:
         wheels = sorted(_download(GEMMA3_CHUNKS, Path(download)))
         digest = hashlib.sha256()
