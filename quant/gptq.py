@@ -39,6 +39,7 @@ class GPTQSettings:
     block_size: int = 128  # columns per lazy update
     act_order: bool = False
     static_groups: bool = False
+    keep_unrounded: bool = False  # return each column as it was just before rounding (QAT trains on from there)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class GPTQResult:
     loss: float  # Σ err² / [H⁻¹]_jj / 2: the layer-output error GPTQ minimised, for the report
     damp: float  # the damping that made H positive definite
     output_error: float | None = None  # quant/error.py: ‖ΔW X‖ / ‖W X‖ on the calibration inputs
+    unrounded: torch.Tensor | None = None  # [out, in]: each column as updated, just before it was rounded
 
 
 def gptq_quantize(
@@ -79,6 +81,7 @@ def gptq_quantize(
     Hinv, damp = _inverse_hessian_factor(H, settings.damp, name)
 
     codes = torch.empty(W.shape, dtype=torch.uint8, device=device)
+    unrounded = torch.empty_like(W) if settings.keep_unrounded else None
     # each visited column's group, by visit position: known before the loop, which then neither
     # writes one element per column nor (static groups) reads one back from a GPU
     if spec.granularity != "group":
@@ -108,6 +111,8 @@ def gptq_quantize(
             w = W1[:, i]
             q = round_to_grid(w, s, z, spec)
             codes[:, j] = q
+            if unrounded is not None:
+                unrounded[:, j] = w
             d = Hinv1[i, i]
             err = (w - grid_values(q, s, z, spec)) / d
             W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
@@ -129,7 +134,8 @@ def gptq_quantize(
         zeros=zero_t.contiguous(),
         group_index=None if contiguous else group_index.to(torch.int32),
     )
-    return GPTQResult(tensor, float(loss), damp, relative_error(weight, tensor.dequantize(), hessian))
+    return GPTQResult(tensor, float(loss), damp, relative_error(weight, tensor.dequantize(), hessian),
+                      None if unrounded is None else unrounded[:, inverse])
 
 
 def _inverse_hessian_factor(H: torch.Tensor, damp: float, name: str) -> tuple[torch.Tensor, float]:

@@ -59,7 +59,6 @@ HeldReport = Callable[[str, int, float], None]  # (grid: "training" or "gptq", s
 class QATSettings:
     steps: int = 200  # optimizer steps per decoder layer
     lr: float = 0.01  # AdamW, in steps of the grid per step (see _Grid), cosine-decayed to zero; chosen on four models (docs/qat.md)
-    warmup: float = 0.0  # share of the steps over which the rate rises linearly from zero to lr
     batch: int = 2  # calibration windows per micro-batch
     accumulate: int = 1  # micro-batches whose gradients make one step
     learn_scales: bool = True
@@ -139,9 +138,7 @@ def qat_layer(step: LayerStep, spec: Grid, settings: QATSettings, modules: Colle
     floats = {n: m.weight.data.clone() for n, m in linears.items()}
     hessians = {n: s.hessian for n, s in input_statistics(layer, inputs, list(linears)).items()}
     targets = run_layer(layer, inputs).clone()  # what the float layer computes on these inputs
-    grids = _initial_grids(step, linears, hessians, spec, settings)
-    weights = {n: g.dequantize().to(floats[n].device) if settings.init == "gptq" else floats[n]  # read, not changed
-               for n, g in grids.items()}
+    grids, weights = _initial_grids(step, linears, hessians, spec, settings)
     rival = (_gptq_grids(step, linears, hessians, spec, settings)
              if settings.keep_gptq and settings.init == "rtn" and spec != Q4_K and settings.holdout > 0 else None)
     trained = _train(layer, inputs, targets, weights, grids, settings, on_step or (lambda i, loss: None),
@@ -174,15 +171,20 @@ def _errors_on_float_inputs(ckpt: HFCheckpoint, windows: torch.Tensor, layers: l
     return errors
 
 
-def _initial_grids(step: LayerStep, linears: dict, hessians: dict, spec: Grid,
-                   settings: QATSettings) -> dict[str, QuantizedTensor | GGMLTensor]:
-    """Each Linear's starting grid: round-to-nearest's (llama.cpp's own for Q4_K), or GPTQ's on
-    the float layer's inputs."""
+def _initial_grids(step: LayerStep, linears: dict, hessians: dict, spec: Grid, settings: QATSettings
+                   ) -> tuple[dict[str, QuantizedTensor | GGMLTensor], dict[str, torch.Tensor]]:
+    """Each Linear's starting grid and the weights training starts from: round-to-nearest's grid
+    (llama.cpp's own for Q4_K) and the float weights, or GPTQ's grid on the float layer's inputs
+    and each weight as GPTQ's updates left it just before rounding, which rounds to GPTQ's code
+    and keeps its distance from the rounding boundary (read, not changed)."""
+    weights = {n: m.weight.data for n, m in linears.items()}
     if spec == Q4_K:
-        return {n: encode(m.weight.data.cpu(), Q4_K, step.prefix + n) for n, m in linears.items()}
+        return {n: encode(w.cpu(), Q4_K, step.prefix + n) for n, w in weights.items()}, weights
     if settings.init == "rtn":
-        return {n: quantize_rtn(m.weight.data, spec, step.prefix + n) for n, m in linears.items()}
-    return _gptq_grids(step, linears, hessians, spec, settings)
+        return {n: quantize_rtn(w, spec, step.prefix + n) for n, w in weights.items()}, weights
+    gptq = GPTQSettings(damp=settings.damp, keep_unrounded=True)
+    results = {n: gptq_quantize(w, hessians[n], spec, gptq, step.prefix + n) for n, w in weights.items()}
+    return {n: r.tensor for n, r in results.items()}, {n: r.unrounded for n, r in results.items()}
 
 
 def _gptq_grids(step: LayerStep, linears: dict, hessians: dict, spec: QuantSpec,
@@ -211,7 +213,8 @@ def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict,
     trainable = {n: trainable_grid(weights[n], grids[n], settings.learn_scales) for n in grids}
     params = [p for g in trainable.values() for p in g.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: _rate(i, settings.steps, settings.warmup))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda i: 0.5 * (1 + math.cos(math.pi * i / settings.steps)))
     hidden = inputs.hidden.clone()  # out of inference mode: autograd needs ordinary tensors
     kwargs = {k: _ordinary(v) for k, v in inputs.kwargs(layer).items()}
     generator = torch.Generator().manual_seed(settings.seed)
@@ -266,13 +269,6 @@ def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict,
         if theirs < best:
             return rival
     return {n: g.quantized() for n, g in trainable.items()}
-
-
-def _rate(step: int, steps: int, warmup: float) -> float:
-    """The share of the peak rate at ``step``: a linear rise over the first ``warmup`` share of the
-    steps, then a cosine decay to zero."""
-    rise = warmup * steps
-    return min(1.0, (step + 1) / rise if rise else 1.0) * 0.5 * (1 + math.cos(math.pi * step / steps))
 
 
 def _split(count: int, share: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

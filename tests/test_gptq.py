@@ -73,6 +73,24 @@ def test_blocked_cholesky_loop_equals_the_column_by_column_update(symmetric, act
         assert result.tensor.group_index is None
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_the_unrounded_weights_round_to_gptqs_codes(act_order):
+    """QAT from GPTQ's grid trains on from each weight as GPTQ's updates left it before rounding:
+    those values must round to GPTQ's own codes on its own scales, in the original column order."""
+    W, H, _ = _problem()
+    spec = QuantSpec(3, False, "group", 32)
+    settings = GPTQSettings(act_order=act_order, keep_unrounded=True)
+    result = gptq_quantize(W, H, spec, settings)
+    t = result.tensor
+    groups = t.group_index.long() if t.group_index is not None else torch.arange(W.shape[1]) // 32
+    s, z = t.scales[:, groups], t.zeros[:, groups]
+    assert torch.equal(round_to_grid(result.unrounded, s, z, spec), t.codes)
+    assert not torch.allclose(result.unrounded, t.dequantize(), atol=1e-4)  # off the grid points: room to train
+    assert not torch.allclose(result.unrounded, W, atol=1e-4)  # and not the float weights: GPTQ's updates are in them
+    assert gptq_quantize(W, H, spec, GPTQSettings(act_order=act_order)).unrounded is None
+    assert torch.equal(gptq_quantize(W, H, spec, GPTQSettings(act_order=act_order)).tensor.codes, t.codes)
+
+
 def test_gptq_output_error_is_well_below_rtn():
     W, H, X = _problem(seed=1)
     spec = QuantSpec(3, True, "group", 32)

@@ -150,6 +150,27 @@ def test_a_layer_keeps_gptqs_solution_where_it_is_better_on_the_held_out_windows
     assert kept_gptq == (lr == 0.05)
 
 
+def test_training_from_gptqs_grid_starts_on_its_codes_off_the_grid_points(tiny):
+    """``init: gptq`` starts each weight where GPTQ's updates left it before rounding, off the grid
+    points (tests/test_gptq.py), where the straight-through rounding can move them: those weights
+    must still round to GPTQ's codes on the stored fp16 scales, so the layer computes GPTQ's
+    solution before any step."""
+    from calib.layerwise import input_statistics
+    from calib.streaming import skeleton, walk_layers
+    from quant.gptq import GPTQSettings, gptq_quantize
+    from quant.qat import qat_layer
+
+    ckpt, _, calib, _ = tiny
+    step = next(iter(walk_layers(ckpt, skeleton(ckpt), calib[:8, :64])))
+    linears = {n: m for n, m in step.layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    hessians = {n: s.hessian for n, s in input_statistics(step.layer, step.inputs, list(linears)).items()}
+    gptq = {n: gptq_quantize(m.weight.data, hessians[n], SPEC, GPTQSettings(), n).tensor for n, m in linears.items()}
+    result = qat_layer(step, SPEC, QATSettings(steps=1, lr=1e-9, init="gptq", holdout=0))
+    for n, theirs in gptq.items():
+        ours = result.tensors[f"{step.prefix}{n}.weight"]
+        assert (ours.codes == theirs.codes).float().mean() > 0.999, n  # fp16 scales may move a rare tie
+
+
 class _Stop(Exception):
     pass
 
