@@ -39,7 +39,7 @@ from core.tensors import GGMLTensor, LayerResult, QuantizedTensor
 from formats.hf import HFCheckpoint
 from quant.error import relative_error
 from quant.ggml import encode
-from quant.gptq import GPTQSettings, gptq_quantize
+from quant.gptq import GPTQResult, GPTQSettings, gptq_quantize
 from quant.qat_checkpoint import QATCheckpoint
 from quant.qat_e2e import train_end_to_end
 from quant.qat_grids import trainable_grid
@@ -139,7 +139,7 @@ def qat_layer(step: LayerStep, spec: Grid, settings: QATSettings, modules: Colle
     hessians = {n: s.hessian for n, s in input_statistics(layer, inputs, list(linears)).items()}
     targets = run_layer(layer, inputs).clone()  # what the float layer computes on these inputs
     grids, weights = _initial_grids(step, linears, hessians, spec, settings)
-    rival = (_gptq_grids(step, linears, hessians, spec, settings)
+    rival = ({n: r.tensor for n, r in _gptq(step, linears, hessians, spec, settings).items()}
              if settings.keep_gptq and settings.init == "rtn" and spec != Q4_K and settings.holdout > 0 else None)
     trained = _train(layer, inputs, targets, weights, grids, settings, on_step or (lambda i, loss: None),
                      on_held or (lambda grid, done, loss: None), rival)
@@ -182,16 +182,15 @@ def _initial_grids(step: LayerStep, linears: dict, hessians: dict, spec: Grid, s
         return {n: encode(w.cpu(), Q4_K, step.prefix + n) for n, w in weights.items()}, weights
     if settings.init == "rtn":
         return {n: quantize_rtn(w, spec, step.prefix + n) for n, w in weights.items()}, weights
-    gptq = GPTQSettings(damp=settings.damp, keep_unrounded=True)
-    results = {n: gptq_quantize(w, hessians[n], spec, gptq, step.prefix + n) for n, w in weights.items()}
+    results = _gptq(step, linears, hessians, spec, settings, unrounded=True)
     return {n: r.tensor for n, r in results.items()}, {n: r.unrounded for n, r in results.items()}
 
 
-def _gptq_grids(step: LayerStep, linears: dict, hessians: dict, spec: QuantSpec,
-                settings: QATSettings) -> dict[str, QuantizedTensor]:
+def _gptq(step: LayerStep, linears: dict, hessians: dict, spec: QuantSpec, settings: QATSettings,
+          unrounded: bool = False) -> dict[str, GPTQResult]:
     """GPTQ's solution for each Linear on the inputs the walk gives the layer."""
-    gptq = GPTQSettings(damp=settings.damp)
-    return {n: gptq_quantize(m.weight.data, hessians[n], spec, gptq, step.prefix + n).tensor for n, m in linears.items()}
+    gptq = GPTQSettings(damp=settings.damp, keep_unrounded=unrounded)
+    return {n: gptq_quantize(m.weight.data, hessians[n], spec, gptq, step.prefix + n) for n, m in linears.items()}
 
 
 def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict, grids: dict,
