@@ -174,9 +174,10 @@ def _errors_on_float_inputs(ckpt: HFCheckpoint, windows: torch.Tensor, layers: l
 
 def _initial_grids(step: LayerStep, linears: dict, spec: Grid, settings: QATSettings
                    ) -> tuple[dict[str, QuantizedTensor | GGMLTensor], dict[str, torch.Tensor]]:
-    """Each Linear's starting grid and the weights training starts from: round-to-nearest's grid
-    (llama.cpp's own for Q4_K) and the float weights, or GPTQ's grid and each weight as GPTQ's updates left it just before rounding, which rounds to GPTQ's code
-    and keeps its distance from the rounding boundary (read, not changed)."""
+    """Each Linear's starting grid and the weights training starts from (read, not changed):
+    round-to-nearest's grid (llama.cpp's own for Q4_K) and the float weights, or GPTQ's grid and
+    each weight as GPTQ's updates left it just before rounding, which rounds to GPTQ's code and
+    keeps its distance from the rounding boundary."""
     weights = {n: m.weight.data for n, m in linears.items()}
     if spec == Q4_K:
         return {n: encode(w.cpu(), Q4_K, step.prefix + n) for n, w in weights.items()}, weights
