@@ -24,8 +24,11 @@ end to end through torchao's fake quantization, by the same KL distillation from
 The baseline of each config is GPTQ in the same run: ``Δ/Δgptq`` is a method's perplexity increase
 over GPTQ's, on each text. Prints a table; with ``--json``, a list of rows on stdout, each with
 ``model``, ``method`` (``rtn``, ``gptq``, ``qat``, ``torchao-qat``), ``bits``, ``group_size``,
-``ppl``, ``ppl_delta``, ``kld``, ``top1`` (in domain), ``cross_ppl``, ``cross_ppl_delta``,
-``cross_kld``, ``cross_top1``, ``seconds``, ``peak_rss_mb`` (the unquantized model is the row with
+``ppl``, ``ppl_delta``, ``kld``, ``top1``, ``entropy`` (in domain; the mean entropy of the
+predicted distributions, in nats), ``cross_ppl``, ``cross_ppl_delta``, ``cross_kld``, ``cross_top1``,
+``cross_entropy``, ``ppl_tuned`` and ``cross_ppl_tuned`` (perplexity at the temperature
+between 0.7 and 1.5 that minimises it on that text), ``temperature`` and ``cross_temperature``
+(that temperature), ``ppl_tuned_delta`` and ``cross_ppl_tuned_delta``, ``seconds``, ``peak_rss_mb`` (the unquantized model is the row with
 method ``none``). With ``--gguf``, four more rows per model (``bits`` null): QAT models on Q4_0's
 grid and on Q4_K_M's as GGUF files and llama.cpp's own Q4_0 and Q4_K_M of the original, each with
 llama.cpp's perplexity on the in-domain evaluation windows (``ppl``) and its ``file_mb``.
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import shutil
 import subprocess
@@ -67,6 +71,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--holdout", type=float, default=0.125, help="QAT: share of the windows held out to guide training")
     parser.add_argument("--init", choices=["rtn", "gptq"], default="rtn", help="QAT's starting grid")
+    parser.add_argument("--targets", choices=["layer", "float"], default="layer",
+                        help="QAT: a layer learns the float layer's outputs on its inputs, or the float model's")
     parser.add_argument("--keep-gptq", action=argparse.BooleanOptionalAction, default=True,
                         help="QAT from RTN: a layer keeps GPTQ's solution where it is better on the held-out windows")
     parser.add_argument("--e2e-steps", type=int, default=0, help="QAT's end-to-end phase after the layers")
@@ -128,6 +134,10 @@ def model_rows(name: str, path: Path, configs: list[tuple[int, int]], args) -> l
     references = {text: [TopK.of(original(w.unsqueeze(0))[0], keep) for w in windows] for text, windows in texts.items()}
     base = {text: score(original, windows, None) for text, windows in texts.items()}
     del original
+    for text, label in (("", "in domain"), ("cross_", "across domains")):  # how much flattening alone moves perplexity
+        curve = base[text][4]
+        log(f"{name} unquantized, {label}: perplexity " + ", ".join(
+            f"{curve[t]:.2f} at T {t:g}" for t in TEMPERATURES[4::2]) + f" (every {SAMPLE}th position); best {base[text][2]:.2f} at T {base[text][3]:g}")
     rows = [row(name, "none", 16, None, base, base, None)]
     for bits, group in configs:
         for method in args.methods:
@@ -140,29 +150,54 @@ def model_rows(name: str, path: Path, configs: list[tuple[int, int]], args) -> l
             del variant
             shutil.rmtree(out / "dense")  # up to a GB a variant at 270M; the loss trace stays beside it
             rows.append(r := row(name, method, bits, group, scores, base, run))
-            log(f"{name} {method} w{bits}g{group}: ppl {r['ppl']:.3f} ({r['ppl_delta']:+.3f}), kld {r['kld']:.4f}; "
-                f"cross {r['cross_ppl']:.3f} ({r['cross_ppl_delta']:+.3f}), kld {r['cross_kld']:.4f}; "
+            log(f"{name} {method} w{bits}g{group}: ppl {r['ppl']:.3f} ({r['ppl_delta']:+.3f}), kld {r['kld']:.4f}, entropy {r['entropy']:.3f}; "
+                f"cross {r['cross_ppl']:.3f} ({r['cross_ppl_delta']:+.3f}), kld {r['cross_kld']:.4f}, entropy {r['cross_entropy']:.3f}, "
+                f"at its best temperature {r['cross_temperature']:.3f} {r['cross_ppl_tuned']:.3f} ({r['cross_ppl_tuned_delta']:+.3f}); "
                 f"{run['seconds']:.1f} s, {run['peak_rss_mb']:.0f} MiB")
     if args.gguf:
         rows += [dict(r, model=name) for r in gguf_rows(args, path, work, texts[""])]
     return rows
 
 
+TEMPERATURES = [0.7 + 0.05 * i for i in range(17)]  # 0.7 to 1.5
+SAMPLE = 4  # the temperature is chosen on every fourth position: over Gemma's 262,144 tokens each try is costly
+
+
 def score(variant, windows, reference: list | None):
-    """Perplexity, and against the original's kept distributions its KLD and top-1."""
+    """Perplexity; the mean entropy of the predicted distributions (in nats: how flat they are);
+    the perplexity at the temperature that minimises it on this text (chosen from ``TEMPERATURES``
+    on every ``SAMPLE``-th position, then scored on all), that temperature and the curve it was
+    chosen on (on text a model predicts poorly, flattening alone lowers perplexity: docs/qat.md);
+    and against the original's kept distributions the KLD and top-1."""
+    import torch
+
     from evalsuite.metrics import Accumulator
 
-    acc = Accumulator()
+    def nll_at(logp: torch.Tensor, targets: torch.Tensor, t: float) -> float:  # log_softmax(logp / t): softmax(logits / t)
+        return (torch.logsumexp(logp / t, -1) - logp.gather(-1, targets[:, None])[:, 0] / t).sum().item()
+
+    acc, entropy, sampled = Accumulator(), 0.0, 0
+    curve = dict.fromkeys(TEMPERATURES, 0.0)
     for i, window in enumerate(windows):
-        acc.add(variant(window.unsqueeze(0))[0], window[1:], reference[i] if reference else None)
-    return acc.scores(compare=reference is not None)
+        logp = variant(window.unsqueeze(0))[0]
+        acc.add(logp, window[1:], reference[i] if reference else None)
+        entropy -= (logp.exp() * logp).sum().item()
+        for t in TEMPERATURES:
+            curve[t] += nll_at(logp[::SAMPLE], window[1::SAMPLE], t)
+        sampled += len(logp[::SAMPLE])
+    scores = acc.scores(compare=reference is not None)
+    best = min(curve, key=curve.get)
+    tuned = sum(nll_at(variant(window.unsqueeze(0))[0], window[1:], best) for window in windows)
+    curve = {t: math.exp(nll / sampled) for t, nll in curve.items()}
+    return scores, entropy / scores.tokens, math.exp(tuned / scores.tokens), best, curve
 
 
 def row(model: str, method: str, bits: int, group: int | None, scores: dict, base: dict, run: dict | None) -> dict:
     out = dict(model=model, method=method, bits=bits, group_size=group, seconds=run and run["seconds"],
                peak_rss_mb=run and run["peak_rss_mb"])
-    for text, s in scores.items():
-        out |= {f"{text}ppl": s.ppl, f"{text}ppl_delta": s.ppl - base[text].ppl, f"{text}kld": s.kld or 0.0,
+    for text, (s, entropy, tuned, temperature, _) in scores.items():
+        out |= {f"{text}entropy": entropy, f"{text}ppl_tuned": tuned, f"{text}temperature": temperature,
+                f"{text}ppl_tuned_delta": tuned - base[text][2], f"{text}ppl": s.ppl, f"{text}ppl_delta": s.ppl - base[text][0].ppl, f"{text}kld": s.kld or 0.0,
                 f"{text}top1": 1.0 if s.top1 is None else s.top1}
     return out
 
@@ -236,7 +271,7 @@ def run_worker(method: str, bits: int, group: int, args, model: Path, windows_fi
     else:
         cmd = [sys.executable, __file__, "--worker", method, *common, "--steps", str(args.steps), "--lr", str(args.lr),
                "--e2e-steps", str(args.e2e_steps), "--e2e-lr", str(args.e2e_lr),
-               "--holdout", str(args.holdout), "--init", args.init, "--keep-gptq" if args.keep_gptq else "--no-keep-gptq"]
+               "--holdout", str(args.holdout), "--init", args.init, "--targets", args.targets, "--keep-gptq" if args.keep_gptq else "--no-keep-gptq"]
         result = out / "run.json"
     done = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if done.returncode:
@@ -256,6 +291,7 @@ def worker(argv: list[str]) -> None:
     for flag in ("--lr", "--e2e-lr", "--holdout"):
         parser.add_argument(flag, type=float, required=True)
     parser.add_argument("--init", choices=["rtn", "gptq"], required=True)
+    parser.add_argument("--targets", choices=["layer", "float"], required=True)
     parser.add_argument("--keep-gptq", action=argparse.BooleanOptionalAction, required=True)
     args = parser.parse_args(argv)
 
@@ -279,7 +315,8 @@ def worker(argv: list[str]) -> None:
         fitted = {n: r.tensor for layer in gptq_model(ckpt, windows, spec) for n, r in layer.items()}
     else:
         settings = QATSettings(steps=args.steps, lr=args.lr, batch=args.batch, e2e_steps=args.e2e_steps, e2e_lr=args.e2e_lr,
-                               holdout=args.holdout, init=args.init, keep_gptq=args.keep_gptq)
+                               holdout=args.holdout, init=args.init, keep_gptq=args.keep_gptq,
+                               targets=args.targets)
         args.out.mkdir(parents=True, exist_ok=True)
         with (args.out / "trace.jsonl").open("w") as trace:  # training and held-out losses, for docs/qat.md's diagnosis
 
@@ -297,22 +334,23 @@ def worker(argv: list[str]) -> None:
 def print_table(rows: list[dict], args) -> None:
     print(f"calibration {args.calib} ({args.calib_windows} x {args.window} tokens, seed {args.seed}); in domain {args.eval}, "
           f"cross domain {args.cross}; QAT {args.steps} steps per layer, lr {args.lr:g}, batch {args.batch}, holdout "
-          f"{args.holdout:g}, from {args.init}{'' if args.init == 'gptq' or not args.keep_gptq else ' (GPTQ kept where better)'}, {args.e2e_steps} end-to-end steps; torchao {args.torchao_steps} steps, "
+          f"{args.holdout:g}, from {args.init}{'' if args.init == 'gptq' or not args.keep_gptq else ' (GPTQ kept where better)'}, {args.e2e_steps} end-to-end steps, targets: {args.targets}; torchao {args.torchao_steps} steps, "
           f"lr {args.torchao_lr:g}; all grids asymmetric")
-    print(f"{'model':<9}{'method':<12}{'bits':>5}{'group':>6}{'ppl':>9}{'Δppl':>9}{'Δ/Δgptq':>8}{'KLD':>8}"
-          f"{'cross ppl':>10}{'Δppl':>9}{'Δ/Δgptq':>8}{'KLD':>8}{'s':>8}{'MiB':>6}")
+    print(f"{'model':<9}{'method':<12}{'bits':>5}{'group':>6}{'ppl':>9}{'Δppl':>9}{'Δ/Δgptq':>8}{'KLD':>8}{'H':>6}"
+          f"{'cross ppl':>10}{'Δppl':>9}{'Δ/Δgptq':>8}{'KLD':>8}{'H':>6}{'ΔT*':>9}{'Δ/Δgptq':>8}{'s':>8}{'MiB':>6}")
     gptq = {(r["model"], r["bits"], r["group_size"]): r for r in rows if r["method"] == "gptq"}
     for r in rows:
         if r["bits"] is None:  # a GGUF file scored by llama.cpp
             print(f"{r['model']:<9}{r['method']:<22}{r['ppl']:>10.3f}  {r['file_mb']:.2f} MB")
             continue
         base = gptq.get((r["model"], r["bits"], r["group_size"]))
-        ratios = [f"{r[k] / base[k]:.2f}" if base and base[k] else "" for k in ("ppl_delta", "cross_ppl_delta")]
+        ratios = [f"{r[k] / base[k]:.2f}" if base and base[k] else "" for k in ("ppl_delta", "cross_ppl_delta", "cross_ppl_tuned_delta")]
         group = "" if r["group_size"] is None else str(r["group_size"])
         secs = "" if r["seconds"] is None else f"{r['seconds']:.1f}"
         rss = "" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
         print(f"{r['model']:<9}{r['method']:<12}{r['bits']:>5}{group:>6}{r['ppl']:>9.3f}{r['ppl_delta']:>+9.3f}{ratios[0]:>8}"
-              f"{r['kld']:>8.4f}{r['cross_ppl']:>10.3f}{r['cross_ppl_delta']:>+9.3f}{ratios[1]:>8}{r['cross_kld']:>8.4f}"
+              f"{r['kld']:>8.4f}{r['entropy']:>6.3f}{r['cross_ppl']:>10.3f}{r['cross_ppl_delta']:>+9.3f}{ratios[1]:>8}"
+              f"{r['cross_kld']:>8.4f}{r['cross_entropy']:>6.3f}{r['cross_ppl_tuned_delta']:>+9.3f}{ratios[2]:>8}"
               f"{secs:>8}{rss:>6}")
 
 
