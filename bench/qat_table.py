@@ -71,8 +71,6 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--holdout", type=float, default=0.125, help="QAT: share of the windows held out to guide training")
     parser.add_argument("--init", choices=["rtn", "gptq"], default="rtn", help="QAT's starting grid")
-    parser.add_argument("--targets", choices=["layer", "float"], default="layer",
-                        help="QAT: a layer learns the float layer's outputs on its inputs, or the float model's")
     parser.add_argument("--keep-gptq", action=argparse.BooleanOptionalAction, default=True,
                         help="QAT from RTN: a layer keeps GPTQ's solution where it is better on the held-out windows")
     parser.add_argument("--e2e-steps", type=int, default=0, help="QAT's end-to-end phase after the layers")
@@ -271,7 +269,7 @@ def run_worker(method: str, bits: int, group: int, args, model: Path, windows_fi
     else:
         cmd = [sys.executable, __file__, "--worker", method, *common, "--steps", str(args.steps), "--lr", str(args.lr),
                "--e2e-steps", str(args.e2e_steps), "--e2e-lr", str(args.e2e_lr),
-               "--holdout", str(args.holdout), "--init", args.init, "--targets", args.targets, "--keep-gptq" if args.keep_gptq else "--no-keep-gptq"]
+               "--holdout", str(args.holdout), "--init", args.init, "--keep-gptq" if args.keep_gptq else "--no-keep-gptq"]
         result = out / "run.json"
     done = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if done.returncode:
@@ -291,7 +289,6 @@ def worker(argv: list[str]) -> None:
     for flag in ("--lr", "--e2e-lr", "--holdout"):
         parser.add_argument(flag, type=float, required=True)
     parser.add_argument("--init", choices=["rtn", "gptq"], required=True)
-    parser.add_argument("--targets", choices=["layer", "float"], required=True)
     parser.add_argument("--keep-gptq", action=argparse.BooleanOptionalAction, required=True)
     args = parser.parse_args(argv)
 
@@ -315,8 +312,7 @@ def worker(argv: list[str]) -> None:
         fitted = {n: r.tensor for layer in gptq_model(ckpt, windows, spec) for n, r in layer.items()}
     else:
         settings = QATSettings(steps=args.steps, lr=args.lr, batch=args.batch, e2e_steps=args.e2e_steps, e2e_lr=args.e2e_lr,
-                               holdout=args.holdout, init=args.init, keep_gptq=args.keep_gptq,
-                               targets=args.targets)
+                               holdout=args.holdout, init=args.init, keep_gptq=args.keep_gptq)
         args.out.mkdir(parents=True, exist_ok=True)
         with (args.out / "trace.jsonl").open("w") as trace:  # training and held-out losses, for docs/qat.md's diagnosis
 
@@ -334,7 +330,7 @@ def worker(argv: list[str]) -> None:
 def print_table(rows: list[dict], args) -> None:
     print(f"calibration {args.calib} ({args.calib_windows} x {args.window} tokens, seed {args.seed}); in domain {args.eval}, "
           f"cross domain {args.cross}; QAT {args.steps} steps per layer, lr {args.lr:g}, batch {args.batch}, holdout "
-          f"{args.holdout:g}, from {args.init}{'' if args.init == 'gptq' or not args.keep_gptq else ' (GPTQ kept where better)'}, {args.e2e_steps} end-to-end steps, targets: {args.targets}; torchao {args.torchao_steps} steps, "
+          f"{args.holdout:g}, from {args.init}{'' if args.init == 'gptq' or not args.keep_gptq else ' (GPTQ kept where better)'}, {args.e2e_steps} end-to-end steps; torchao {args.torchao_steps} steps, "
           f"lr {args.torchao_lr:g}; all grids asymmetric")
     print(f"{'model':<9}{'method':<12}{'bits':>5}{'group':>6}{'ppl':>9}{'Δppl':>9}{'Δ/Δgptq':>8}{'KLD':>8}{'H':>6}"
           f"{'cross ppl':>10}{'Δppl':>9}{'Δ/Δgptq':>8}{'KLD':>8}{'H':>6}{'ΔT*':>9}{'Δ/Δgptq':>8}{'s':>8}{'MiB':>6}")

@@ -30,7 +30,7 @@ from typing import Callable, Collection, Iterator, Literal
 import torch
 from torch.func import functional_call
 
-from calib.layerwise import LayerInputs, input_statistics, run_layer
+from calib.layerwise import input_statistics, run_layer
 from calib.streaming import LayerStep, fast_bf16, skeleton, to_cpu, walk_layers
 from core.device import working_device
 from core.errors import InputError
@@ -71,7 +71,6 @@ class QATSettings:
     save_seconds: float = 300.0  # how often the end-to-end phase saves its state to a checkpoint folder
     holdout: float = 0.125  # share of the calibration windows kept out of training to judge it (0: none)
     check_every: int = 10  # steps between two looks at the held-out windows
-    targets: Literal["layer", "float"] = "layer"  # what a layer learns to output: the float layer's on its inputs, or the float model's
 
 
 def qat_model(ckpt: HFCheckpoint, windows: torch.Tensor, spec: Grid, settings: QATSettings = QATSettings(),
@@ -95,18 +94,13 @@ def qat_model(ckpt: HFCheckpoint, windows: torch.Tensor, spec: Grid, settings: Q
     report = on_step or (lambda phase, step, steps, loss: None)
     model = skeleton(ckpt)
     layers = []
-    float_hidden = None
     for index, step in enumerate(walk_layers(ckpt, model, windows)):
         phase = f"layer {index + 1}/{ckpt.arch.layers}"
-        targets = None
-        if settings.targets == "float":
-            float_hidden = step.inputs.hidden.clone() if float_hidden is None else float_hidden
-            float_hidden = targets = run_layer(step.layer, LayerInputs(float_hidden, step.inputs.layer_kwargs))
         result = saved.layer(index) if saved else None
         if result is None:
             result = qat_layer(step, spec, settings, modules, lambda i, loss: report(phase, i, settings.steps, loss),
                                lambda grid, done, loss: report(f"{phase} held out" + (f" {grid}" if grid != "training" else ""),
-                                                               done - 1, settings.steps, loss), targets)
+                                                               done - 1, settings.steps, loss))
             if saved:
                 saved.save_layer(index, result)
         else:  # trained before the run was stopped: the next layers see what it computes
@@ -127,8 +121,7 @@ def qat_model(ckpt: HFCheckpoint, windows: torch.Tensor, spec: Grid, settings: Q
 
 
 def qat_layer(step: LayerStep, spec: Grid, settings: QATSettings, modules: Collection[str] | None = None,
-              on_step: Callable[[int, float], None] | None = None, on_held: HeldReport | None = None,
-              targets: torch.Tensor | None = None) -> LayerResult:
+              on_step: Callable[[int, float], None] | None = None, on_held: HeldReport | None = None) -> LayerResult:
     """Block-AP on one decoder layer of a walk; the layer keeps the trained quantized weights, so
     the layers after it are trained on what the quantized model computes. Trained from RTN's grid
     with ``keep_gptq``, it keeps GPTQ's solution instead where that is better on the held-out
@@ -144,8 +137,7 @@ def qat_layer(step: LayerStep, spec: Grid, settings: QATSettings, modules: Colle
         return LayerResult({}, {}, {})
     floats = {n: m.weight.data.clone() for n, m in linears.items()}
     hessians = {n: s.hessian for n, s in input_statistics(layer, inputs, list(linears)).items()}
-    if targets is None:
-        targets = run_layer(layer, inputs).clone()  # what the float layer computes on these inputs
+    targets = run_layer(layer, inputs).clone()  # what the float layer computes on these inputs
     grids, weights = _initial_grids(step, linears, hessians, spec, settings)
     rival = ({n: r.tensor for n, r in _gptq(step, linears, hessians, spec, settings).items()}
              if settings.keep_gptq and settings.init == "rtn" and spec != Q4_K and settings.holdout > 0 else None)
