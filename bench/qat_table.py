@@ -24,12 +24,11 @@ end to end through torchao's fake quantization, by the same KL distillation from
 The baseline of each config is GPTQ in the same run: ``Δ/Δgptq`` is a method's perplexity increase
 over GPTQ's, on each text. Prints a table; with ``--json``, a list of rows on stdout, each with
 ``model``, ``method`` (``rtn``, ``gptq``, ``qat``, ``torchao-qat``), ``bits``, ``group_size``,
-``ppl``, ``ppl_delta``, ``kld``, ``top1``, ``entropy`` (in domain; the mean entropy of the
-predicted distributions, in nats), ``cross_ppl``, ``cross_ppl_delta``, ``cross_kld``, ``cross_top1``,
-``cross_entropy``, ``ppl_tuned`` and ``cross_ppl_tuned`` (perplexity at the temperature
-between 0.7 and 1.5 that minimises it on that text), ``temperature`` and ``cross_temperature``
-(that temperature), ``ppl_tuned_delta`` and ``cross_ppl_tuned_delta``, ``seconds``, ``peak_rss_mb`` (the unquantized model is the row with
-method ``none``). With ``--gguf``, four more rows per model (``bits`` null): QAT models on Q4_0's
+``ppl``, ``ppl_delta``, ``kld``, ``top1``, ``entropy`` (the mean entropy of the predicted
+distributions, in nats), ``ppl_tuned`` (perplexity at the temperature between 0.7 and 1.5 that
+minimises it on that text), ``temperature`` (that temperature) and ``ppl_tuned_delta``, all in
+domain, the same with the prefix ``cross_`` across domains, ``seconds`` and ``peak_rss_mb`` (the
+unquantized model is the row with method ``none``). With ``--gguf``, four more rows per model (``bits`` null): QAT models on Q4_0's
 grid and on Q4_K_M's as GGUF files and llama.cpp's own Q4_0 and Q4_K_M of the original, each with
 llama.cpp's perplexity on the in-domain evaluation windows (``ppl``) and its ``file_mb``.
 """
@@ -46,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -133,9 +133,9 @@ def model_rows(name: str, path: Path, configs: list[tuple[int, int]], args) -> l
     base = {text: score(original, windows, None) for text, windows in texts.items()}
     del original
     for text, label in (("", "in domain"), ("cross_", "across domains")):  # how much flattening alone moves perplexity
-        curve = base[text][4]
-        log(f"{name} unquantized, {label}: perplexity " + ", ".join(
-            f"{curve[t]:.2f} at T {t:g}" for t in TEMPERATURES[4::2]) + f" (every {SAMPLE}th position); best {base[text][2]:.2f} at T {base[text][3]:g}")
+        b = base[text]
+        log(f"{name} unquantized, {label}: perplexity " + ", ".join(f"{b.curve[t]:.2f} at T {t:g}" for t in TEMPERATURES[4::2])
+            + f" (every {SAMPLE}th position); best {b.tuned_ppl:.2f} at T {b.temperature:g}")
     rows = [row(name, "none", 16, None, base, base, None)]
     for bits, group in configs:
         for method in args.methods:
@@ -161,12 +161,18 @@ TEMPERATURES = [0.7 + 0.05 * i for i in range(17)]  # 0.7 to 1.5
 SAMPLE = 4  # the temperature is chosen on every fourth position: over Gemma's 262,144 tokens each try is costly
 
 
-def score(variant, windows, reference: list | None):
-    """Perplexity; the mean entropy of the predicted distributions (in nats: how flat they are);
-    the perplexity at the temperature that minimises it on this text (chosen from ``TEMPERATURES``
-    on every ``SAMPLE``-th position, then scored on all), that temperature and the curve it was
-    chosen on (on text a model predicts poorly, flattening alone lowers perplexity: docs/qat.md);
-    and against the original's kept distributions the KLD and top-1."""
+class TextScores(NamedTuple):
+    scores: object  # evalsuite.metrics.Scores: perplexity, and KLD and top-1 against the original
+    entropy: float  # mean entropy of the predicted distributions, in nats: how flat they are
+    tuned_ppl: float  # perplexity at the temperature that minimises it on this text
+    temperature: float  # that temperature
+    curve: dict[float, float]  # perplexity at each of TEMPERATURES, on every SAMPLE-th position
+
+
+def score(variant, windows, reference: list | None) -> TextScores:
+    """A variant's scores on one text, against the original's kept distributions where given. The
+    temperature is chosen on every ``SAMPLE``-th position, then scored on all: on text a model
+    predicts poorly, flattening alone lowers perplexity (docs/qat.md)."""
     import torch
 
     from evalsuite.metrics import Accumulator
@@ -187,16 +193,18 @@ def score(variant, windows, reference: list | None):
     best = min(curve, key=curve.get)
     tuned = sum(nll_at(variant(window.unsqueeze(0))[0], window[1:], best) for window in windows)
     curve = {t: math.exp(nll / sampled) for t, nll in curve.items()}
-    return scores, entropy / scores.tokens, math.exp(tuned / scores.tokens), best, curve
+    return TextScores(scores, entropy / scores.tokens, math.exp(tuned / scores.tokens), best, curve)
 
 
 def row(model: str, method: str, bits: int, group: int | None, scores: dict, base: dict, run: dict | None) -> dict:
     out = dict(model=model, method=method, bits=bits, group_size=group, seconds=run and run["seconds"],
                peak_rss_mb=run and run["peak_rss_mb"])
-    for text, (s, entropy, tuned, temperature, _) in scores.items():
-        out |= {f"{text}entropy": entropy, f"{text}ppl_tuned": tuned, f"{text}temperature": temperature,
-                f"{text}ppl_tuned_delta": tuned - base[text][2], f"{text}ppl": s.ppl, f"{text}ppl_delta": s.ppl - base[text][0].ppl, f"{text}kld": s.kld or 0.0,
-                f"{text}top1": 1.0 if s.top1 is None else s.top1}
+    for text, t in scores.items():
+        s = t.scores
+        out |= {f"{text}ppl": s.ppl, f"{text}ppl_delta": s.ppl - base[text].scores.ppl, f"{text}kld": s.kld or 0.0,
+                f"{text}top1": 1.0 if s.top1 is None else s.top1, f"{text}entropy": t.entropy,
+                f"{text}ppl_tuned": t.tuned_ppl, f"{text}temperature": t.temperature,
+                f"{text}ppl_tuned_delta": t.tuned_ppl - base[text].tuned_ppl}
     return out
 
 
