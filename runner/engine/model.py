@@ -34,7 +34,7 @@ from core.errors import InputError
 from core.rope import llama3_bands
 from formats.hf import HFCheckpoint
 from formats.quantized_checkpoint import QuantizedCheckpoint
-from runner.engine.kernels import decode_kernel
+from runner.engine.kernels import cpu_norm, decode_kernel
 from runner.engine.kv_cache import KVPool
 from runner.engine.linear import Linear, fused, make_linear
 
@@ -184,6 +184,8 @@ class DecoderModel:
         self.inv_freq = {rope: inverse_frequencies(rope).to(device) for rope in {arch.rope_of(i) for i in range(arch.layers)}}
         self.scale = arch.score_scale
         self.embed_scale = torch.tensor(arch.embedding_scale, dtype=dtype, device=device)  # as transformers rounds it
+        # Gemma's (offset + weight) norms in float32 stay with torch
+        self._fused_norm = device.type == "cpu" and not arch.norm_offset and cpu_norm.available(dtype)
 
     @torch.inference_mode()
     def forward(self, step: Step, pool: KVPool) -> torch.Tensor:
@@ -198,8 +200,9 @@ class DecoderModel:
         kernel = _fused_kernel(pool)
         where = pool.where(step.slots)
         key_rows = pool.where(step.prefill.key_slots.flatten()) if step.prefill is not None else None  # read by every layer
+        delta = None  # what the last block adds to x, added by the next norm
         for index, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, self._norm(x, layer["attn_norm"]), rotary[a.rope_of(index)])
+            q, k, v = self._qkv(layer, self._add_norm(x, delta, layer["attn_norm"]), rotary[a.rope_of(index)])
             pool.write(index, where, k, v)
             q = pool.queries(q)
             window = a.windows[index]
@@ -217,13 +220,23 @@ class DecoderModel:
                 if step.prefill is not None:
                     out[step.prefill.rows[step.prefill.valid]] = self._prefill_attention(q, pool, index, step.prefill, window, key_rows)
             attended = layer["o"][0](pool.outputs(out).to(x.dtype).flatten(1))
-            x = x + (self._norm(attended, layer["attn_post"]) if a.post_norms else attended)
-            gate, up = _outputs(layer["gate_up"], self._norm(x, layer["mlp_norm"]), self._gate_up)
+            delta = self._norm(attended, layer["attn_post"]) if a.post_norms else attended
+            gate, up = _outputs(layer["gate_up"], self._add_norm(x, delta, layer["mlp_norm"]), self._gate_up)
             mlp = layer["down"][0](self.act(gate) * up)
-            x = x + (self._norm(mlp, layer["mlp_post"]) if a.post_norms else mlp)
-        x = self._norm(torch.index_select(x, 0, step.sample_rows), self.norm)
+            delta = self._norm(mlp, layer["mlp_post"]) if a.post_norms else mlp
+        rows = step.sample_rows
+        x = self._add_norm(torch.index_select(x, 0, rows), torch.index_select(delta, 0, rows), self.norm)
         logits = self.lm_head(x).float()
         return _softcap(logits, a.final_softcap) if a.final_softcap else logits
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        """The residual stream ``x`` with ``delta`` added in place (where there is one), normed: in
+        one pass by the C kernel on a CPU (kernels/cpu_norm.c says why), else by torch."""
+        if self._fused_norm:
+            return cpu_norm.add_rms_norm(x, delta, weight, self.arch.norm_eps)
+        if delta is not None:
+            x.add_(delta)
+        return self._norm(x, weight)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm in float32, as transformers' LlamaRMSNorm (torch's fused kernel computes it so);
