@@ -115,6 +115,18 @@ def run_layer(layer: torch.nn.Module, inputs: LayerInputs) -> torch.Tensor:
         return torch.cat([_output(layer(batch, **inputs.kwargs(layer))) for batch in _batches(inputs)])
 
 
+def ordinary(value):
+    """An inference-mode tensor (or a tuple or dict of them, as layer keyword arguments hold) as an
+    ordinary one: the walk's tensors are made under inference mode, and autograd cannot save them."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, tuple):
+        return tuple(ordinary(v) for v in value)
+    if isinstance(value, dict):
+        return {k: ordinary(v) for k, v in value.items()}
+    return value
+
+
 def linear_groups(layer: torch.nn.Module, inputs: LayerInputs) -> list[list[str]]:
     """The layer's Linear modules (names relative to the layer), grouped by shared input, in call order."""
     calls: list[tuple[str, torch.Tensor]] = []  # holding the inputs keeps their memory from being reused

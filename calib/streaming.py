@@ -80,14 +80,14 @@ def walk_layers(ckpt: HFCheckpoint, model: torch.nn.Module, windows: torch.Tenso
     _map_large_allocations()
     device = working_device()
     embedding = model.get_input_embeddings()
-    _load_embedding(ckpt, embedding, _name_of(model, embedding), windows, device)
+    _load_embedding(ckpt, embedding, module_prefix(model, embedding), windows, device)
     inputs = first_layer_inputs(model, windows.to(device))
     embedding.to("meta")
     layers = decoder_layers(model)
     prefix = layers_prefix(model)
     for index, layer in enumerate(layers):
         base = f"{prefix}.{index}."
-        _load(ckpt, layer, base, device)
+        load_weights(ckpt, layer, base, device)
         yield LayerStep(base, layer, inputs)
         if index + 1 < len(layers):  # the last layer's outputs feed nothing the walk needs
             inputs.hidden = run_layer(layer, inputs)
@@ -109,12 +109,8 @@ def float_logits(ckpt: HFCheckpoint, windows: torch.Tensor, chunk: int = 4,
         if index == last:
             hidden = run_layer(step.layer, step.inputs)
     device = working_device()
-    norm = model.get_decoder().norm
-    _load(ckpt, norm, _name_of(model, norm), device)
-    head_name = _name_of(model, model.get_input_embeddings() if ckpt.arch.tied_embeddings else model.get_output_embeddings())
-    head = _head(ckpt, head_name + "weight", device)
-    vocab = ckpt.shape(head_name + "weight")[0]
-    step = max(1, _HEAD_SLICE // hidden.shape[-1])
+    norm, head, _, vocab = load_head(ckpt, model, device)
+    step = max(1, HEAD_SLICE // hidden.shape[-1])
     cap = ckpt.arch.final_softcap
     with torch.inference_mode():
         for i in range(0, len(hidden), chunk):
@@ -126,10 +122,27 @@ def float_logits(ckpt: HFCheckpoint, windows: torch.Tensor, chunk: int = 4,
 
 
 # Weights of the output head converted to float32 at a time (64 MiB): 4096 of Llama 3's 128256 rows.
-_HEAD_SLICE = 2**24
+HEAD_SLICE = 2**24
 
 
-def _head(ckpt: HFCheckpoint, name: str, device: torch.device) -> TensorPayload:
+class Head(NamedTuple):
+    """The final norm (loaded) and the output head as the checkpoint stores it (``_head_payload``)."""
+
+    norm: torch.nn.Module
+    weight: TensorPayload
+    name: str  # the head's weight name: the embedding's where they are tied
+    vocab: int
+
+
+def load_head(ckpt: HFCheckpoint, model: torch.nn.Module, device: torch.device) -> Head:
+    """The final norm of ``model`` (a ``skeleton``) loaded from ``ckpt``, and the output head."""
+    norm = model.get_decoder().norm
+    load_weights(ckpt, norm, module_prefix(model, norm), device)
+    name = module_prefix(model, model.get_input_embeddings() if ckpt.arch.tied_embeddings else model.get_output_embeddings())
+    return Head(norm, _head_payload(ckpt, name + "weight", device), name + "weight", ckpt.shape(name + "weight")[0])
+
+
+def _head_payload(ckpt: HFCheckpoint, name: str, device: torch.device) -> TensorPayload:
     """The output head as the checkpoint stores it (bfloat16, ggml blocks), for ``float_logits``
     to multiply by in float32 a slice of rows at a time: an 8B model's head is 2 GiB in float32,
     half that in bfloat16, a fifth as Q6_K. Payloads that decode only whole are decoded once."""
@@ -169,7 +182,7 @@ _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 _THRESHOLD = 8 * 2**20
 
 
-def _load(ckpt: HFCheckpoint, module: torch.nn.Module, prefix: str, device: torch.device) -> None:
+def load_weights(ckpt: HFCheckpoint, module: torch.nn.Module, prefix: str, device: torch.device) -> None:
     """Replace the module's meta parameters by the checkpoint's tensors, as float32 on ``device``."""
     state = {name: ckpt.tensor(prefix + name).to(device=device, dtype=torch.float32) for name, _ in module.named_parameters()}
     module.load_state_dict(state, strict=True, assign=True)
@@ -188,7 +201,7 @@ def _load_embedding(ckpt: HFCheckpoint, embedding: torch.nn.Module, prefix: str,
     embedding.load_state_dict({"weight": weight}, strict=True, assign=True)
 
 
-def _name_of(model: torch.nn.Module, module: torch.nn.Module) -> str:
+def module_prefix(model: torch.nn.Module, module: torch.nn.Module) -> str:
     return next(n for n, m in model.named_modules() if m is module) + "."
 
 

@@ -30,7 +30,7 @@ from typing import Callable, Collection, Iterator, Literal
 import torch
 from torch.func import functional_call
 
-from calib.layerwise import input_statistics, run_layer
+from calib.layerwise import input_statistics, ordinary, run_layer
 from calib.streaming import LayerStep, fast_bf16, skeleton, to_cpu, walk_layers
 from core.device import working_device
 from core.errors import InputError
@@ -219,7 +219,7 @@ def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict,
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda i: 0.5 * (1 + math.cos(math.pi * i / settings.steps)))
     hidden = inputs.hidden.clone()  # out of inference mode: autograd needs ordinary tensors
-    kwargs = {k: _ordinary(v) for k, v in inputs.kwargs(layer).items()}
+    kwargs = ordinary(inputs.kwargs(layer))
     generator = torch.Generator().manual_seed(settings.seed)
     frozen = {n: p.detach() for n, p in layer.named_parameters()}
     train, held = _split(len(hidden), settings.holdout, generator)
@@ -290,12 +290,3 @@ def _restore(params: list[torch.Tensor], values: list[torch.Tensor]) -> None:
     with torch.no_grad():
         for p, v in zip(params, values):
             p.copy_(v)
-
-
-def _ordinary(value):
-    """An inference-mode tensor (or a tuple of them) as an ordinary one."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, tuple):
-        return tuple(_ordinary(v) for v in value)
-    return value

@@ -10,7 +10,7 @@ but unknown until its pass has run, and its pass on every candidate would cost o
 rounding ranks the grids of one Linear the same way at a fraction of that. That proxy ranks one
 Linear's grids well and different Linears' badly, so by default (``sensitivity: kld``) each item's
 errors are scaled by the KL divergence it adds alone on its smallest grid over that grid's proxy
-(recipes/kld_gains.py), as ``type: auto`` does. The multiple-choice
+(recipes/kld_gains.py; measured, or with ``sensitivity: fisher`` estimated), as ``type: auto`` does. The multiple-choice
 knapsack (quant/knapsack.py) then picks one grid per item with the least summed error whose bits,
 counted as the exports store them (codes, fp16 scales, zero-points when asymmetric: the report's
 bits per weight), fit the budget. An item is a set of Linears vLLM runs as one product (q, k and v;
@@ -32,7 +32,7 @@ from formats.quantized_folder import fused_name
 from quant.error import weighted_rounding_error
 from quant.knapsack import cheapest_picks
 from quant.rtn import quantize_rtn
-from recipes.kld_gains import kld_gains
+from recipes.kld_gains import sensitivity_gains
 
 
 def grid_bits(spec: QuantSpec, shape: tuple[int, int]) -> float:
@@ -97,15 +97,18 @@ def searched_grids(ckpt, variant, modules: list[str], imatrix: dict[str, np.ndar
             costs[i, : len(grids)] += [rounding_error(weight, s, importance, n) for s in grids]
         progress.advance(task)
     progress.remove_task(task)
-    if variant.weights.measures_kld:
+    sensitivity = variant.weights.sensitivity_used
+    if sensitivity != "proxy":
         if windows is None:
-            raise InputError(f"variant '{variant.name}': sensitivity kld needs calibration text (add 'calibration: {{text: ...}}')")
+            raise InputError(f"variant '{variant.name}': sensitivity {sensitivity} needs calibration text "
+                             f"(add 'calibration: {{text: ...}}')")
         members = list(items.values())
         proxies = [costs[i, 0] if len(grids) > 1 else None for i, grids in enumerate(choices)]
 
         def alone(i: int) -> dict[str, QuantizedTensor]:  # the item on its smallest grid
             return {n: quantize_rtn(ckpt.tensor(n), choices[i][0], n) for n in members[i]}
-        costs *= kld_gains(ckpt, proxies, alone, windows, progress)[:, None]
+        costs *= sensitivity_gains(sensitivity, ckpt, proxies, alone, windows,
+                                   lambda n: imatrix.get(n) if imatrix else None, progress)[:, None]
     count = sum(int(np.prod(ckpt.shape(n))) for weights in items.values() for n in weights)
     picks = cheapest_picks(costs, sizes, variant.weights.bpw * count)
     return {n: grids[k] for weights, grids, k in zip(items.values(), choices, picks) for n in weights}

@@ -44,8 +44,9 @@ class GridWeights(Targeted):
     bpw: float | None = Field(default=None, gt=0, le=16)  # bits auto: bits per quantized weight, scales included
     candidates: list[Literal[tuple(GRIDS)]] | None = Field(default=None, min_length=1)  # type: ignore[valid-type]
     # bits auto: rank grids by the proxy alone, or scale each Linear's proxies by the KL divergence it adds
-    # alone on the calibration text (recipes/bit_search.py, the default)
-    sensitivity: Literal["proxy", "kld"] | None = None
+    # alone on the calibration text, measured (kld, the default) or estimated from Fisher diagonals
+    # (fisher; recipes/kld_gains.py)
+    sensitivity: Literal["proxy", "kld", "fisher"] | None = None
     symmetric: bool = True
     range: Literal["minmax", "mse", "percentile"] = "minmax"
     percentile: float | None = Field(default=None, gt=50, le=100)  # with range 'percentile'; default 99.9
@@ -84,9 +85,9 @@ class GridWeights(Targeted):
         return self.bits == AUTO
 
     @property
-    def measures_kld(self) -> bool:
-        """Whether bits auto scales its proxy by measured KL divergences (``sensitivity``)."""
-        return self.searches_bits and self.sensitivity != "proxy"
+    def sensitivity_used(self) -> str:
+        """How bits auto puts Linears on one scale (``sensitivity``, or its default)."""
+        return (self.sensitivity or "kld") if self.searches_bits else "proxy"
 
     @property
     def grids(self) -> list[QuantSpec]:

@@ -14,7 +14,8 @@ ranks one tensor's types well and different tensors badly (docs/formats.md: benc
 so with ``sensitivity: kld`` (the default with calibration text) each tensor's proxies are scaled by a measured gain: the KL divergence
 that the tensor alone, in its candidate nearest 4 bits per weight, adds to the float model's
 distributions on a few calibration windows, over that type's proxy. It costs one evaluation pass
-of the model per tensor.
+of the model per tensor; ``sensitivity: fisher`` estimates the same quantity from one forward and
+backward walk (recipes/kld_gains.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from formats.gguf import gguf_name
 from quant.ggml import encode
 from quant.ggml.sensitivity import weighted_error
 from quant.knapsack import cheapest_picks
-from recipes.kld_gains import kld_gains
+from recipes.kld_gains import sensitivity_gains
 from recipes.methods import Imatrix, Plan, gguf_plan
 
 # the default candidates: every K- and i-quant type we encode, and Q8_0, smallest first
@@ -95,20 +96,22 @@ def searched_plan(ckpt, variant, plan: Plan, imatrix: Imatrix | None, windows: t
         costs[i, : len(choices[name])] = proxy_errors(ckpt, name, choices[name], imatrix) if len(choices[name]) > 1 else 0.0
         progress.advance(task)
     progress.remove_task(task)
-    if variant.weights.measures_kld:
+    sensitivity = variant.weights.sensitivity_used
+    if sensitivity != "proxy":
         if windows is None:
-            raise InputError(f"variant '{variant.name}': sensitivity kld needs calibration text (add 'calibration: {{text: ...}}')")
-        costs *= _gains(ckpt, plan.names, choices, costs, imatrix, windows, progress)[:, None]
+            raise InputError(f"variant '{variant.name}': sensitivity {sensitivity} needs calibration text "
+                             f"(add 'calibration: {{text: ...}}')")
+        costs *= _gains(sensitivity, ckpt, plan.names, choices, costs, imatrix, windows, progress)[:, None]
     weights = sum(int(np.prod(ckpt.shape(n))) for n in plan.names)
     picks = cheapest_picks(costs, sizes, variant.weights.budget_bytes(weights))
     types = {name: choices[name][k] for name, k in zip(plan.names, picks)}
     return Plan(plan.names, types, plan.quantized, summary=type_summary(types))
 
 
-def _gains(ckpt, names: list[str], choices: dict[str, tuple[str, ...]], costs: np.ndarray, imatrix: Imatrix | None,
-           windows: torch.Tensor, progress: Progress) -> np.ndarray:
-    """Each tensor's added KL divergence per unit of proxy (recipes/kld_gains.py), measured in its
-    type nearest 4 bits per weight (1 where it has no choice)."""
+def _gains(sensitivity: str, ckpt, names: list[str], choices: dict[str, tuple[str, ...]], costs: np.ndarray,
+           imatrix: Imatrix | None, windows: torch.Tensor, progress: Progress) -> np.ndarray:
+    """Each tensor's added KL divergence per unit of proxy (recipes/kld_gains.py), measured or
+    estimated in its type nearest 4 bits per weight (1 where it has no choice)."""
     measured = [int(np.argmin([abs(8 * tensor_bytes(ckpt.shape(n), t) / np.prod(ckpt.shape(n)) - 4) for t in choices[n]]))
                 for n in names]
     proxies = [costs[i, k] if len(choices[n]) > 1 else None for i, (n, k) in enumerate(zip(names, measured))]
@@ -116,7 +119,8 @@ def _gains(ckpt, names: list[str], choices: dict[str, tuple[str, ...]], costs: n
     def alone(i: int) -> dict[str, GGMLTensor]:
         name = names[i]
         return {name: encode(ckpt.tensor(name), choices[name][measured[i]], name, imatrix.get(name) if imatrix else None)}
-    return kld_gains(ckpt, proxies, alone, windows, progress)
+    return sensitivity_gains(sensitivity, ckpt, proxies, alone, windows, lambda n: imatrix.get(n) if imatrix else None,
+                             progress)
 
 
 def proxy_errors(ckpt, name: str, types: tuple[str, ...], imatrix: Imatrix | None) -> list[float]:

@@ -42,6 +42,7 @@ def _recipe(tmp_path, weights):
     ({"type": "Q4_K_M", "candidates": ["Q4_K"]}, "field 'variants[0](v).weights.candidates': candidates are for type auto"),
     ({"type": "Q4_K_M", "sensitivity": "proxy"}, "field 'variants[0](v).weights.sensitivity': sensitivity is for type auto"),
     ({"type": "auto", "bpw": 4, "sensitivity": "kld"}, "field 'variants[0](v).weights.sensitivity': sensitivity kld is measured on the calibration text"),
+    ({"type": "auto", "bpw": 4, "sensitivity": "fisher"}, "field 'variants[0](v).weights.sensitivity': sensitivity fisher is measured on the calibration text"),
 ])
 def test_recipe_errors_name_the_field(tmp_path, weights, message):
     with pytest.raises(InputError) as e:
@@ -174,16 +175,19 @@ def test_llama_quantize_reproduces_the_auto_file_from_its_tensor_type_file(tiny)
     assert len({t for t, _ in a.values()}) >= 3  # a real mix of types
 
 
-def test_measured_mix_beats_q4_k_s_at_its_size(tiny):
+@pytest.mark.parametrize("sensitivity", ["kld", "fisher"])
+def test_measured_mix_beats_q4_k_s_at_its_size(tiny, sensitivity):
     """The issue's target at Q4_K_S's size (KL divergence at most 0.9x), as llama.cpp computes it,
-    with the same importance matrix; five quick candidates keep the search to a minute (all of them
-    reach 0.63x, docs/formats.md)."""
+    with the same importance matrix, each tensor's KL divergence measured or estimated from Fisher
+    diagonals; five quick candidates keep the search to a minute (all of them reach 0.63x,
+    docs/formats.md)."""
     from conftest import EVAL_TEXT
     from helpers.llama_cpp_scores import llama_cpp_added_kld
 
     ckpt, folder, imatrix, _ = tiny
     fixed = build_variant(ckpt, gguf_variant("Q4_K_S", True), folder, imatrix=imatrix, gguf_path=folder / "q4ks.gguf").files[0]
-    auto = _auto(tiny, "at-q4ks", size=f"{_tensor_bytes(fixed)}B", candidates=["Q3_K", "IQ4_XS", "Q4_K", "Q5_K", "Q6_K"]).files[0]
+    auto = _auto(tiny, f"at-q4ks-{sensitivity}", size=f"{_tensor_bytes(fixed)}B", candidates=["Q3_K", "IQ4_XS", "Q4_K", "Q5_K", "Q6_K"],
+                 sensitivity=sensitivity).files[0]
     assert _tensor_bytes(auto) <= _tensor_bytes(fixed)
     f32 = build_variant(ckpt, gguf_variant("F32"), folder, gguf_path=folder / "f32-kld.gguf").files[0]
     tokens = load_tokenizer(ckpt)(EVAL_TEXT.read_text(), add_special_tokens=False)["input_ids"][: 4 * 256]

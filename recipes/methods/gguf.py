@@ -36,9 +36,10 @@ class GGUFWeights(Strict):
     size: str | None = Field(default=None, validate_default=True)  # type auto: bytes of tensor data, "4.2GB"
     candidates: list[str] | None = Field(default=None, min_length=1)  # type auto: the ggml types to choose from
     # type auto: rank tensors by the proxy alone, or scale each tensor's proxy by the KL divergence
-    # that one type of it adds alone on the calibration text (recipes/type_search.py); by default
-    # kld where there is calibration text (imatrix: true), the proxy alone where there is none
-    sensitivity: Literal["proxy", "kld"] | None = None
+    # that one type of it adds alone on the calibration text, measured (kld) or estimated from Fisher
+    # diagonals (fisher; recipes/kld_gains.py); by default kld where there is calibration text
+    # (imatrix: true), the proxy alone where there is none
+    sensitivity: Literal["proxy", "kld", "fisher"] | None = None
 
     @field_validator("size")
     @classmethod
@@ -71,8 +72,8 @@ class GGUFWeights(Strict):
     def _kld_on_calibration_text(cls, sensitivity: str | None, info: ValidationInfo) -> str | None:
         if sensitivity is not None and info.data.get("type") != AUTO:
             raise ValueError("sensitivity is for type auto")
-        if sensitivity == "kld" and not info.data.get("imatrix"):
-            raise ValueError("sensitivity kld is measured on the calibration text: add imatrix: true")
+        if sensitivity in ("kld", "fisher") and not info.data.get("imatrix"):
+            raise ValueError(f"sensitivity {sensitivity} is measured on the calibration text: add imatrix: true")
         return sensitivity
 
     @property
@@ -80,9 +81,9 @@ class GGUFWeights(Strict):
         return self.imatrix
 
     @property
-    def measures_kld(self) -> bool:
-        """Whether type auto scales its proxy by measured KL divergences (``sensitivity``)."""
-        return self.sensitivity == "kld" or (self.sensitivity is None and self.imatrix)
+    def sensitivity_used(self) -> str:
+        """How type auto puts tensors on one scale (``sensitivity``, or its default)."""
+        return self.sensitivity or ("kld" if self.imatrix else "proxy")
 
     def budget_bytes(self, weights: int) -> float:
         """The budget in bytes of tensor data, for a model of ``weights`` values."""
@@ -121,5 +122,5 @@ class GGUF(WeightMethod):
 
     def describe(self, weights) -> str:
         budget = "" if weights.type != AUTO else f" {weights.bpw:g} bpw" if weights.bpw is not None else f" {weights.size}"
-        kld = " kld" if weights.type == AUTO and weights.measures_kld else ""
+        kld = f" {weights.sensitivity_used}" if weights.type == AUTO and weights.sensitivity_used != "proxy" else ""
         return f"gguf {weights.type}{budget}{kld}" + (" imatrix" if weights.imatrix else "")
