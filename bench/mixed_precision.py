@@ -7,11 +7,15 @@ and our ``type: auto`` file whose budget is that file's bytes of tensor data. ``
 --kl-divergence`` measures each against the F32 file's logits on the evaluation text: mean KL
 divergence, top-1 agreement ("Same top p") and perplexity. Prints a table and the ratio of KL
 divergences (the issue's targets: at most 0.8 at Q3_K_M's size, 0.9 at Q4_K_S's and Q4_K_M's), and
-writes a size-against-KLD chart (docs/img/mixed_precision.svg).
+writes a size-against-KLD chart (docs/img/mixed_precision.svg). An auto file is made for each
+``--sensitivity`` (default both: each tensor's added KL divergence measured, one evaluation pass per
+tensor, or estimated from Fisher diagonals, one forward and backward walk), with the seconds its
+build took.
 
 Needs the native tools: ``bash bench/anchors/setup.sh llama-tools``.
 
     python bench/mixed_precision.py [--models tiny,ref] [--types Q3_K_M,Q4_K_S,Q4_K_M] [--ctx 256]
+                                    [--sensitivity kld,fisher]
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ def main() -> None:
     parser.add_argument("--models", default="tiny,ref")
     parser.add_argument("--types", default="Q3_K_M,Q4_K_S,Q4_K_M")
     parser.add_argument("--ctx", type=int, default=256, help="llama-perplexity's context (and chunk) length")
+    parser.add_argument("--sensitivity", default="kld,fisher", help="the auto files' sensitivities: kld, fisher, proxy")
     parser.add_argument("--chart", type=Path, default=REPO / "docs" / "img" / "mixed_precision.svg")
     args = parser.parse_args()
     if not PERPLEXITY.is_file():
@@ -48,14 +53,17 @@ def main() -> None:
             print(f"{model}: {MODELS[model]} not present, skipped")
             continue
         with tempfile.TemporaryDirectory() as tmp:
-            for name, size_mb, scores in measured(MODELS[model], args.types.split(","), args.ctx, Path(tmp)):
+            for name, size_mb, scores in measured(MODELS[model], args.types.split(","), args.ctx, Path(tmp),
+                                                  args.sensitivity.split(",")):
                 rows.append(VariantRow(f"{model} {name}", name, 0.0, size_mb, scores))
     args.chart.write_text(size_fidelity_svg(rows))
     print(f"chart: {args.chart}")
 
 
-def measured(path: Path, file_types: list[str], ctx: int, work: Path):
-    """(name, MB of tensor data, llama.cpp's Scores) of each file type and of the auto file at its size."""
+def measured(path: Path, file_types: list[str], ctx: int, work: Path, sensitivities: list[str]):
+    """(name, MB of tensor data, llama.cpp's Scores) of each file type and of the auto files at its size."""
+    import time
+
     from gguf import GGUFReader
 
     from calib.text import token_windows
@@ -71,21 +79,27 @@ def measured(path: Path, file_types: list[str], ctx: int, work: Path):
     text = REPO / "recipes" / "bundled" / "eval.txt"
     base = work / "f32.kld"
     _perplexity(["-m", str(f32), "-f", str(text), "-c", str(ctx), "--kl-divergence-base", str(base)])
-    print(f"{path.name}: file             MB      KLD       top-1   PPL     auto/type KLD")
+    print(f"{path.name}: file                MB      KLD       top-1   PPL     auto/type KLD  build s")
     for file_type in file_types:
         fixed = build_variant(ckpt, gguf_variant(file_type, True), work, imatrix=imatrix,
                               gguf_path=work / f"{file_type}.gguf").files[0]
         data = sum(t.n_bytes for t in GGUFReader(fixed).tensors)
-        variant = Variant(name=f"auto-{file_type}", weights={"method": "gguf", "type": "auto", "imatrix": True,
-                                                             "size": f"{data}B"}, exports=["gguf"])
-        auto = build_variant(ckpt, variant, work, imatrix=imatrix, calibration=windows).files[0]
-        pair = []
-        for name, file in ((file_type, fixed), (f"auto@{file_type}", auto)):
+        files = [(file_type, fixed, None)]
+        for sensitivity in sensitivities:
+            variant = Variant(name=f"auto-{sensitivity}-{file_type}", exports=["gguf"], weights={
+                "method": "gguf", "type": "auto", "imatrix": True, "size": f"{data}B", "sensitivity": sensitivity})
+            start = time.perf_counter()
+            auto = build_variant(ckpt, variant, work, imatrix=imatrix, calibration=windows).files[0]
+            files.append((f"auto {sensitivity}@{file_type}", auto, time.perf_counter() - start))
+        for name, file, seconds in files:
             scores = _kld(file, text, ctx, base)
             size = sum(t.n_bytes for t in GGUFReader(file).tensors) / 1e6
-            pair.append(scores.kld)
-            ratio = f"{pair[1] / pair[0]:.2f}" if len(pair) == 2 else ""
-            print(f"  {name:16s} {size:7.3f} {scores.kld:.5f}  {100 * scores.top1:5.1f}%  {scores.ppl:7.3f} {ratio}", flush=True)
+            if seconds is None:
+                fixed_kld, ratio, took = scores.kld, "", ""
+            else:
+                ratio, took = f"{scores.kld / fixed_kld:.2f}", f"{seconds:.0f}"
+            print(f"  {name:19s} {size:7.3f} {scores.kld:.5f}  {100 * scores.top1:5.1f}%  {scores.ppl:7.3f} {ratio:>13s}  {took:>7s}",
+                  flush=True)
             yield name, size, scores
 
 

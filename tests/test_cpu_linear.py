@@ -1,6 +1,6 @@
 """The engine's quantized layers on a CPU (runner/engine/linear.py): int8 codes by output channel
-multiplied by fbgemm's integer kernel through exact 7-bit digit rows of the input, against the
-product of the dequantized weights; torch's int8pack where there is no fbgemm; a tied output head
+multiplied by oneDNN's integer kernel through exact 7-bit digit rows of the input, against the
+product of the dequantized weights; torch's int8pack where there is no oneDNN; a tied output head
 as a packed copy of the embedding."""
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ def _error(ours: torch.Tensor, x: torch.Tensor, q, bias) -> float:
     return ((ours.double() - expected).norm() / expected.norm()).item()
 
 
-@pytest.mark.skipif(not linear.DIGIT_KERNEL, reason="this torch has no fbgemm (not an x86 build)")
+@pytest.mark.skipif(not linear.DIGIT_KERNEL, reason="this torch has no oneDNN integer kernel (not an x86 build)")
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_int8_digit_rows_give_the_dequantized_product(symmetric, rows):
-    """fp32 inputs as 4 digits (28 bits) come within 1e-5 of the exact product (fbgemm returns each
+    """fp32 inputs as 4 digits (28 bits) come within 1e-5 of the exact product (oneDNN returns each
     digit's product in float32, and the digits' offset, 2^27 times the codes' sum, cancels after);
     bf16 inputs as 2 digits (14 bits) stray no further than bf16's own rounding of the output."""
     q = _weight(symmetric)
@@ -57,7 +57,7 @@ def test_int8_digit_rows_give_the_dequantized_product(symmetric, rows):
     assert _error(ours, xb, q, bias) < 2 * bf16_rounding
 
 
-def test_int8_without_fbgemm_runs_on_int8pack(monkeypatch):
+def test_int8_without_onednn_runs_on_int8pack(monkeypatch):
     q = _weight(False, n_in=512)  # int8pack's bf16 kernel wants inputs in multiples of 32
     monkeypatch.setattr(linear, "DIGIT_KERNEL", False)
     layer = linear.Int8Linear(q, None, torch.float32, torch.device("cpu"))
