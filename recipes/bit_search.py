@@ -8,9 +8,9 @@ so the weighted error is, to first order, the squared error the Linear adds to i
 token, one scale for every Linear and grid. GPTQ's own error on a grid is smaller than rounding's
 but unknown until its pass has run, and its pass on every candidate would cost one GPTQ per grid:
 rounding ranks the grids of one Linear the same way at a fraction of that. That proxy ranks one
-Linear's grids well and different Linears' badly, so by default (``sensitivity: kld``) each item's
-errors are scaled by the KL divergence it adds alone on its smallest grid over that grid's proxy
-(recipes/kld_gains.py; measured, or with ``sensitivity: fisher`` estimated), as ``type: auto`` does. The multiple-choice
+Linear's grids well and different Linears' badly, so by default each item's errors are scaled by
+the KL divergence it adds alone on its smallest grid over that grid's proxy (recipes/kld_gains.py;
+estimated, ``sensitivity: fisher``, or measured, ``kld``), as ``type: auto`` does. The multiple-choice
 knapsack (quant/knapsack.py) then picks one grid per item with the least summed error whose bits,
 counted as the exports store them (codes, fp16 scales, zero-points when asymmetric: the report's
 bits per weight), fit the budget. An item is a set of Linears vLLM runs as one product (q, k and v;

@@ -44,8 +44,8 @@ class GridWeights(Targeted):
     bpw: float | None = Field(default=None, gt=0, le=16)  # bits auto: bits per quantized weight, scales included
     candidates: list[Literal[tuple(GRIDS)]] | None = Field(default=None, min_length=1)  # type: ignore[valid-type]
     # bits auto: rank grids by the proxy alone, or scale each Linear's proxies by the KL divergence it adds
-    # alone on the calibration text, measured (kld, the default) or estimated from Fisher diagonals
-    # (fisher; recipes/kld_gains.py)
+    # alone on the calibration text, measured (kld) or estimated from Fisher diagonals (fisher, the
+    # default; recipes/kld_gains.py)
     sensitivity: Literal["proxy", "kld", "fisher"] | None = None
     symmetric: bool = True
     range: Literal["minmax", "mse", "percentile"] = "minmax"
@@ -87,7 +87,7 @@ class GridWeights(Targeted):
     @property
     def sensitivity_used(self) -> str:
         """How bits auto puts Linears on one scale (``sensitivity``, or its default)."""
-        return (self.sensitivity or "kld") if self.searches_bits else "proxy"
+        return (self.sensitivity or "fisher") if self.searches_bits else "proxy"
 
     @property
     def grids(self) -> list[QuantSpec]:

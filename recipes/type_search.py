@@ -11,11 +11,11 @@ outputs per token: a decoder Linear's is the proxy with its importance matrix; t
 which llama-imatrix leaves out, counts each column once (its input is RMS-normalised); the token
 embedding is read one row per token, so its summed error is divided by its rows. That scale
 ranks one tensor's types well and different tensors badly (docs/formats.md: bench/auto_proxy.py),
-so with ``sensitivity: kld`` (the default with calibration text) each tensor's proxies are scaled by a measured gain: the KL divergence
+so with calibration text each tensor's proxies are scaled by a gain: the KL divergence
 that the tensor alone, in its candidate nearest 4 bits per weight, adds to the float model's
 distributions on a few calibration windows, over that type's proxy. It costs one evaluation pass
-of the model per tensor; ``sensitivity: fisher`` estimates the same quantity from one forward and
-backward walk (recipes/kld_gains.py).
+of the model per tensor measured (``sensitivity: kld``); ``fisher``, the default, estimates it from
+one forward and backward walk (recipes/kld_gains.py).
 """
 
 from __future__ import annotations

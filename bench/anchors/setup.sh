@@ -175,13 +175,8 @@ from vllm import LLM, SamplingParams'
             exit 0
         fi
         SRC=$(vendored_llama_cpp)
-        # Without AMX: on the 2-core Xeon VM (AMX exposed) the native build's AMX matrix kernels
-        # died of SIGILL at their first tile instruction in llama-perplexity's batched products
-        # (2026-12-06); decoding one token at a time, what llama-bench times, never uses them.
-        NO_AMX=""
-        if grep -q amx_tile /proc/cpuinfo 2>/dev/null; then NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
         cmake -S "$SRC" -B "$VENV/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-            -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" >/dev/null
+            -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
         # shellcheck disable=SC2086
         cmake --build "$VENV/build" --target $TOOLS -j "$(nproc)" >/dev/null
         for tool in $TOOLS; do cp "$VENV/build/bin/$tool" "$VENV/bin/"; done

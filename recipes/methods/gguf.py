@@ -37,7 +37,7 @@ class GGUFWeights(Strict):
     candidates: list[str] | None = Field(default=None, min_length=1)  # type auto: the ggml types to choose from
     # type auto: rank tensors by the proxy alone, or scale each tensor's proxy by the KL divergence
     # that one type of it adds alone on the calibration text, measured (kld) or estimated from Fisher
-    # diagonals (fisher; recipes/kld_gains.py); by default kld where there is calibration text
+    # diagonals (fisher; recipes/kld_gains.py); by default fisher where there is calibration text
     # (imatrix: true), the proxy alone where there is none
     sensitivity: Literal["proxy", "kld", "fisher"] | None = None
 
@@ -83,7 +83,7 @@ class GGUFWeights(Strict):
     @property
     def sensitivity_used(self) -> str:
         """How type auto puts tensors on one scale (``sensitivity``, or its default)."""
-        return self.sensitivity or ("kld" if self.imatrix else "proxy")
+        return self.sensitivity or ("fisher" if self.imatrix else "proxy")
 
     def budget_bytes(self, weights: int) -> float:
         """The budget in bytes of tensor data, for a model of ``weights`` values."""
