@@ -13,8 +13,8 @@ A quantized variant runs on its own codes, so its speed is its own and not a deq
   weight, and the digits' products, weighted by 128^j, are the row's product, more precise than a
   bf16 input. fbgemm's kernel did this before (1.5x to 2x int8pack's speed at 1 to 64 rows); on
   the 2-core Xeon with AMX oneDNN's is 1.0-1.2x faster at one row and 1.5-3.2x at 4 to 256 rows
-  (8192 x 2048 and 2048 x 8192, 2026-12-06), and the 1B shape's int8 decodes one sequence at 20.3
-  tokens/s against fbgemm's 15.9. torch's CUDA int8pack is a reference loop (one
+  (8192 x 2048 and 2048 x 8192, 2026-12-06); the 1B shape's int8 decoded one sequence at 18.2-20.3
+  tokens/s in two runs, fbgemm's at 15.9 in a third. torch's CUDA int8pack is a reference loop (one
   thread per output, walking its weight row byte by byte in float32, no tensor cores): on an H200
   bench/linear_kernels.py over Llama-3-8B's projections did not finish in 50 s with it. On CUDA
   int8 runs on Triton instead (cuda_linear.py);
