@@ -57,16 +57,26 @@ class OutputFisher:
         """The KL divergence per token that a weight error ``error`` (weight - decoded) in tensor
         ``name`` adds, to second order: ``importance`` is a Linear's mean squared input per column
         (None: 1), as the importance matrix holds it; 0 for a tensor the walk saw no output of."""
-        squares = error.double().square().reshape(-1, error.shape[-1])
+        rows = error.reshape(-1, error.shape[-1])
         total = 0.0
         if name in self.linears:
-            per_row = squares.sum(1) if importance is None else squares @ importance.double()
-            total += float(self.linears[name] @ per_row)
+            total += float(self.linears[name] @ _weighted_rows(rows, importance))
         if name == self.head_name:
-            total += float(self.head @ (squares @ self.head_inputs))
-        if name == self.embedding_name:
-            total += float((self.embedding * squares[self.tokens]).sum(1).mean())
+            total += float(self.head @ _weighted_rows(rows, self.head_inputs))
+        if name == self.embedding_name:  # only the rows the positions read
+            total += float((self.embedding * rows[self.tokens].double().square()).sum(1).mean())
         return 0.5 * total
+
+
+def _weighted_rows(rows: torch.Tensor, columns: torch.Tensor | None, chunk: int = 16384) -> torch.Tensor:
+    """Per row, ``Σ_k columns[k] · rows[:, k]²`` (float64; columns None: 1), a chunk of rows at a
+    time: a 128256-row head squared whole in float64 would take 4 GiB."""
+    out = torch.empty(rows.shape[0], dtype=torch.float64)
+    weights = None if columns is None else columns.double()
+    for start in range(0, rows.shape[0], chunk):
+        squares = rows[start : start + chunk].double().square()
+        out[start : start + chunk] = squares.sum(1) if weights is None else squares @ weights
+    return out
 
 
 def output_fisher(ckpt: HFCheckpoint, windows: torch.Tensor, seed: int = 0) -> OutputFisher:
