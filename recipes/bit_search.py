@@ -107,8 +107,7 @@ def searched_grids(ckpt, variant, modules: list[str], imatrix: dict[str, np.ndar
 
         def alone(i: int) -> dict[str, QuantizedTensor]:  # the item on its smallest grid
             return {n: quantize_rtn(ckpt.tensor(n), choices[i][0], n) for n in members[i]}
-        costs *= sensitivity_gains(sensitivity, ckpt, proxies, alone, windows,
-                                   lambda n: imatrix.get(n) if imatrix else None, progress)[:, None]
+        costs *= sensitivity_gains(sensitivity, ckpt, proxies, alone, windows, imatrix, progress)[:, None]
     count = sum(int(np.prod(ckpt.shape(n))) for weights in items.values() for n in weights)
     picks = cheapest_picks(costs, sizes, variant.weights.bpw * count)
     return {n: grids[k] for weights, grids, k in zip(items.values(), choices, picks) for n in weights}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Callable
 
@@ -33,17 +34,17 @@ from evalsuite.streamed import streamed_scores
 from formats.variant_weights import VariantWeights
 
 GAIN_WINDOWS = 4  # calibration windows each gain is measured on
-SENSITIVITIES = ("proxy", "kld", "fisher")
 
 
 def sensitivity_gains(sensitivity: str, ckpt, proxies: list[float | None], alone: Callable[[int], dict[str, TensorPayload]],
-                      windows: torch.Tensor, importance: Callable[[str], np.ndarray | None], progress: Progress) -> np.ndarray:
-    """Each item's KL divergence per unit of proxy, measured (``kld``) or estimated (``fisher``);
-    1 for every item with ``proxy``, which ranks by the proxy alone."""
+                      windows: torch.Tensor, imatrix: Mapping[str, np.ndarray] | None, progress: Progress) -> np.ndarray:
+    """Each item's KL divergence per unit of proxy, measured (``kld``) or estimated (``fisher``,
+    with the Linears' importance matrix); 1 for every item with ``proxy``, which ranks by the
+    proxy alone."""
     if sensitivity == "kld":
         return kld_gains(ckpt, proxies, alone, windows, progress)
     if sensitivity == "fisher":
-        return fisher_gains(ckpt, proxies, alone, windows, importance, progress)
+        return fisher_gains(ckpt, proxies, alone, windows, imatrix, progress)
     return np.ones(len(proxies))
 
 
@@ -70,9 +71,9 @@ def kld_gains(ckpt, proxies: list[float | None], alone: Callable[[int], dict[str
 
 
 def fisher_gains(ckpt, proxies: list[float | None], alone: Callable[[int], dict[str, TensorPayload]], windows: torch.Tensor,
-                 importance: Callable[[str], np.ndarray | None], progress: Progress) -> np.ndarray:
+                 imatrix: Mapping[str, np.ndarray] | None, progress: Progress) -> np.ndarray:
     """``kld_gains`` with each item's added KL divergence estimated from the Fisher diagonals
-    (calib/output_fisher.py), ``importance(name)`` a Linear's importance matrix (or None)."""
+    (calib/output_fisher.py) and the Linears' importance matrix (none: 1 for every input)."""
     gains = np.ones(len(proxies))
     task = progress.add_task("estimate KL divergence per tensor (Fisher)", total=len(proxies) + 1)
     fisher = output_fisher(ckpt, windows[:GAIN_WINDOWS])
@@ -81,7 +82,7 @@ def fisher_gains(ckpt, proxies: list[float | None], alone: Callable[[int], dict[
         if proxy is not None:
             estimate = 0.0
             for name, payload in alone(i).items():
-                weights = importance(name)
+                weights = imatrix.get(name) if imatrix else None
                 error = ckpt.tensor(name).float() - dequantized(payload).float().reshape(ckpt.shape(name))
                 estimate += fisher.kld(name, error, None if weights is None else torch.from_numpy(np.asarray(weights)))
             gains[i] = max(estimate, 1e-12) / max(proxy, 1e-30)

@@ -119,8 +119,7 @@ def _gains(sensitivity: str, ckpt, names: list[str], choices: dict[str, tuple[st
     def alone(i: int) -> dict[str, GGMLTensor]:
         name = names[i]
         return {name: encode(ckpt.tensor(name), choices[name][measured[i]], name, imatrix.get(name) if imatrix else None)}
-    return sensitivity_gains(sensitivity, ckpt, proxies, alone, windows, lambda n: imatrix.get(n) if imatrix else None,
-                             progress)
+    return sensitivity_gains(sensitivity, ckpt, proxies, alone, windows, imatrix, progress)
 
 
 def proxy_errors(ckpt, name: str, types: tuple[str, ...], imatrix: Imatrix | None) -> list[float]:

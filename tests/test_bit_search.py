@@ -133,7 +133,7 @@ def test_fisher_gains_follow_the_measured_ones(tiny):
     def alone(i):
         return {n: quantize_rtn(ckpt.tensor(n), spec, n) for n in items[i]}
 
-    gains = {way: sensitivity_gains(way, ckpt, proxies, alone, windows, imatrix.get, Progress(disable=True))
+    gains = {way: sensitivity_gains(way, ckpt, proxies, alone, windows, imatrix, Progress(disable=True))
              for way in ("kld", "fisher")}
     assert spearmanr(gains["kld"], gains["fisher"]).statistic > 0.9
     assert np.all(np.abs(np.log(gains["fisher"] / gains["kld"])) < np.log(1.5))
