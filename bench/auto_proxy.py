@@ -39,7 +39,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import numpy as np
-    import torch
     from scipy.stats import spearmanr
 
     from calib.output_fisher import output_fisher
@@ -73,8 +72,7 @@ def main() -> None:
                 encoded = encode(weight, ggml_type, name, importance)
                 alone.put(name, encoded)
                 kld = streamed_scores(alone, windows, store).kld
-                estimate = fisher.kld(name, weight.float() - encoded.dequantize().float(),
-                                      None if importance is None else torch.from_numpy(np.asarray(importance)))
+                estimate = fisher.kld(name, weight.float() - encoded.dequantize().float(), importance)
                 proxies.append(proxy)
                 klds.append(kld)
                 estimates.append(estimate)

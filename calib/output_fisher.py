@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from calib.layerwise import decoder_layers, layers_prefix, ordinary, run_layer
@@ -53,14 +54,14 @@ class OutputFisher:
     head_name: str  # the weight names of the head and the embedding (one tensor where they are tied)
     embedding_name: str
 
-    def kld(self, name: str, error: torch.Tensor, importance: torch.Tensor | None) -> float:
+    def kld(self, name: str, error: torch.Tensor, importance: np.ndarray | torch.Tensor | None) -> float:
         """The KL divergence per token that a weight error ``error`` (weight - decoded) in tensor
         ``name`` adds, to second order: ``importance`` is a Linear's mean squared input per column
         (None: 1), as the importance matrix holds it; 0 for a tensor the walk saw no output of."""
         rows = error.reshape(-1, error.shape[-1])
         total = 0.0
         if name in self.linears:
-            total += float(self.linears[name] @ _weighted_rows(rows, importance))
+            total += float(self.linears[name] @ _weighted_rows(rows, None if importance is None else torch.as_tensor(importance)))
         if name == self.head_name:
             total += float(self.head @ _weighted_rows(rows, self.head_inputs))
         if name == self.embedding_name:  # only the rows the positions read

@@ -82,9 +82,8 @@ def fisher_gains(ckpt, proxies: list[float | None], alone: Callable[[int], dict[
         if proxy is not None:
             estimate = 0.0
             for name, payload in alone(i).items():
-                weights = imatrix.get(name) if imatrix else None
                 error = ckpt.tensor(name).float() - dequantized(payload).float().reshape(ckpt.shape(name))
-                estimate += fisher.kld(name, error, None if weights is None else torch.from_numpy(np.asarray(weights)))
+                estimate += fisher.kld(name, error, imatrix.get(name) if imatrix else None)
             gains[i] = max(estimate, 1e-12) / max(proxy, 1e-30)
         progress.advance(task)
     progress.remove_task(task)
