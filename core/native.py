@@ -64,6 +64,16 @@ def load(source: Path, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         return None
 
 
+def bind(source: Path, flags: tuple[str, ...], signatures: dict[str, list]) -> ctypes.CDLL | None:
+    """``load``, with each named function's argument types set (they return nothing), or None."""
+    lib = load(source, flags)
+    if lib is not None:
+        for name, argtypes in signatures.items():
+            function = getattr(lib, name)
+            function.argtypes, function.restype = argtypes, None
+    return lib
+
+
 def pointer(a: np.ndarray) -> ctypes.c_void_p:
     """A kernel's argument for a C-contiguous numpy array: a pointer to its data that keeps the
     array alive through the call (a bare address lets a temporary be freed before the kernel reads

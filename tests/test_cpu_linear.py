@@ -57,6 +57,27 @@ def test_int8_digit_rows_give_the_dequantized_product(symmetric, rows):
     assert _error(ours, xb, q, bias) < 2 * bf16_rounding
 
 
+@pytest.mark.skipif(not linear.DIGIT_KERNEL, reason="this torch has no oneDNN integer kernel (not an x86 build)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 300])  # 300 rows of 520: split over threads
+def test_the_c_digit_rows_are_torchs(dtype, rows):
+    """The C kernel's digit rows and row scales (kernels/cpu_digits.c) equal the torch path's bit for
+    bit, a zero column and an outlier included."""
+    from runner.engine.kernels import cpu_digits
+
+    if not cpu_digits.available():
+        pytest.skip("no C compiler built the kernel")
+    layer = linear.Int8Linear(_weight(False), None, dtype, torch.device("cpu"))
+    x = _inputs(rows, 520, dtype)
+    x[:, 3] = 0
+    ours = torch.empty(layer.digits, rows, 520, dtype=torch.uint8), torch.empty(rows, 1, dtype=layer.wide)
+    torch_path = torch.empty_like(ours[0]), torch.empty_like(ours[1])
+    cpu_digits.input_digits(x, *ours)
+    layer._torch_digits(x, *torch_path)
+    assert torch.equal(ours[0], torch_path[0]) and torch.equal(ours[1], torch_path[1])
+    assert ours[0].max() <= 127 and ours[0][-1].gt(0).any()
+
+
 def test_int8_without_onednn_runs_on_int8pack(monkeypatch):
     q = _weight(False, n_in=512)  # int8pack's bf16 kernel wants inputs in multiples of 32
     monkeypatch.setattr(linear, "DIGIT_KERNEL", False)

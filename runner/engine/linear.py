@@ -13,8 +13,9 @@ A quantized variant runs on its own codes, so its speed is its own and not a deq
   weight, and the digits' products, weighted by 128^j, are the row's product, more precise than a
   bf16 input. fbgemm's kernel did this before (1.5x to 2x int8pack's speed at 1 to 64 rows); on
   the 2-core Xeon with AMX oneDNN's is 1.0-1.2x faster at one row and 1.5-3.2x at 4 to 256 rows
-  (8192 x 2048 and 2048 x 8192, 2026-12-06); the 1B shape's int8 decoded one sequence at 18.2-20.3
-  tokens/s in two runs, fbgemm's at 15.9 in a third. torch's CUDA int8pack is a reference loop (one
+  (8192 x 2048 and 2048 x 8192, 2026-12-06), and reads the codes from memory at 94% of the rate a
+  sum reads (26 of 27.6 GB/s, at 1, 2 and 4 rows). The digit rows are made in one C pass
+  (kernels/cpu_digits.c), not eleven torch operations. torch's CUDA int8pack is a reference loop (one
   thread per output, walking its weight row byte by byte in float32, no tensor cores): on an H200
   bench/linear_kernels.py over Llama-3-8B's projections did not finish in 50 s with it. On CUDA
   int8 runs on Triton instead (cuda_linear.py);
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from core.tensors import QuantizedTensor, TensorPayload
+from runner.engine.kernels import cpu_digits
 
 INT4_GROUPS = (32, 64, 128, 256)
 # oneDNN's integer kernels (Int8Linear's digit rows): on x86 CPU builds of torch
@@ -109,16 +111,12 @@ class Int8Linear(Linear):
         """``x @ (codes · scale)ᵀ`` (with the zero-point's offset and the bias) from one oneDNN call
         on the digit rows of ``x``: row ``r`` is ``s_r · (u - 2^(b-1))``, ``u`` an integer of
         ``b = 7 · digits`` bits, ``u = Σ_j 128^j d_j``; one rounding to the activations' dtype, at the end."""
-        rows, n_in, top, wide = x.shape[0], x.shape[1], self.top, self.wide
-        xf = x.to(wide)
-        scale = torch.linalg.vector_norm(xf, float("inf"), 1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(top - 1)
-        u = torch.div(xf, scale).round_().add_(top)  # 1 .. 2^b - 1
-        digits = self._digit_rows(rows, n_in)
-        for j in range(self.digits - 1):  # the lower digits; what is left is the top one
-            high = torch.div(u, 128, rounding_mode="floor")
-            digits[j] = u.sub_(high, alpha=128)
-            u = high
-        digits[-1] = u
+        rows, n_in, wide = x.shape[0], x.shape[1], self.wide
+        digits, scale = self._digit_rows(rows, n_in)
+        if cpu_digits.available():  # one pass in C (cpu_digits.c says why), else eleven torch operations
+            cpu_digits.input_digits(x.contiguous(), digits, scale)
+        else:
+            self._torch_digits(x, digits, scale)
         out = torch.ops.onednn.qlinear_pointwise(digits.view(-1, n_in), 1.0, 0, self.packed, self.weight_scales,
                                                  self.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
         out = out.view(self.digits, rows, -1)
@@ -127,16 +125,27 @@ class Int8Linear(Linear):
             y = torch.add(out[j], y, alpha=128)
         y = y.sub_(self.digit_offset).mul_(scale)
         if self.offset is not None:
-            y = y.addcmul_(xf.sum(-1, keepdim=True), self.offset)
+            y = y.addcmul_(x.to(wide).sum(-1, keepdim=True), self.offset)
         return (y if self.bias is None else y.add_(self.bias)).to(self.dtype)
 
-    def _digit_rows(self, rows: int, n_in: int) -> torch.Tensor:
-        """The uint8 buffer of ``rows`` inputs' digit rows, kept per row count."""
+    def _torch_digits(self, x: torch.Tensor, digits: torch.Tensor, scale: torch.Tensor) -> None:
+        """``cpu_digits.input_digits`` by torch: the row scales and digit rows of ``x``."""
+        top, xf = self.top, x.to(self.wide)
+        scale.copy_(torch.linalg.vector_norm(xf, float("inf"), 1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(top - 1))
+        u = torch.div(xf, scale).round_().add_(top)  # 1 .. 2^b - 1
+        for j in range(self.digits - 1):  # the lower digits; what is left is the top one
+            high = torch.div(u, 128, rounding_mode="floor")
+            digits[j] = u.sub_(high, alpha=128)
+            u = high
+        digits[-1] = u
+
+    def _digit_rows(self, rows: int, n_in: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffers of ``rows`` inputs' digit rows (uint8) and row scales, kept per row count."""
         buffers = self._buffers
         if rows not in buffers:
             if len(buffers) > 8:  # a few batch sizes recur; prefill chunks' come and go
                 buffers.clear()
-            buffers[rows] = torch.empty(self.digits, rows, n_in, dtype=torch.uint8)
+            buffers[rows] = (torch.empty(self.digits, rows, n_in, dtype=torch.uint8), torch.empty(rows, 1, dtype=self.wide))
         return buffers[rows]
 
 

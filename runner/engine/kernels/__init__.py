@@ -14,6 +14,7 @@ import torch
 # registers). q8_0/q4_0 caches are decoded by torch (kv_cache.py).
 FUSED_CACHES = ("fp32", "fp16", "bf16", "fp8")
 CPU_CACHES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+C_FLOATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C kernels' F32, BF16 and F16
 TRITON = importlib.util.find_spec("triton") is not None
 
 

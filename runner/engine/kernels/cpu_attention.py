@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from core import native
+from runner.engine.kernels import C_FLOATS
 
 SOURCE = Path(__file__).with_suffix(".c")
 FLAGS = ("-fopenmp",)  # beside core.native.BASE_FLAGS
-KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the float caches it reads
 _i64, _f32 = ctypes.c_int64, ctypes.c_float
 _ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [_i64] * 6 + [ctypes.c_void_p, _i64, ctypes.c_void_p, ctypes.c_void_p] \
     + [ctypes.c_int] * 7 + [_f32, ctypes.c_int, _f32, ctypes.c_int]
@@ -30,17 +30,13 @@ _ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [_i64] * 6 + [ctypes.c_void_p, 
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    lib = native.load(SOURCE, FLAGS)
-    if lib is not None:
-        lib.paged_decode_attention.argtypes = _ARGS
-        lib.paged_decode_attention.restype = None
-    return lib
+    return native.bind(SOURCE, FLAGS, {"paged_decode_attention": _ARGS})
 
 
 def available(cache_dtype: torch.dtype, head_sizes: tuple[int, int] = (64, 64)) -> bool:
     """Whether the kernel runs over a cache stored as ``cache_dtype`` with keys and values of
     ``head_sizes`` on this machine (it computes on vectors of 16 floats)."""
-    return cache_dtype in KINDS and all(size % 16 == 0 for size in head_sizes) and _library() is not None
+    return cache_dtype in C_FLOATS and all(size % 16 == 0 for size in head_sizes) and _library() is not None
 
 
 def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
@@ -59,7 +55,7 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     table, lengths = table.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
     out = torch.empty(seqs, m, heads, vdim, dtype=torch.float32)
     _library().paged_decode_attention(
-        q.data_ptr(), keys.data_ptr(), values.data_ptr(), KINDS[keys.dtype], *keys.stride()[:3], *values.stride()[:3],
+        q.data_ptr(), keys.data_ptr(), values.data_ptr(), C_FLOATS[keys.dtype], *keys.stride()[:3], *values.stride()[:3],
         table.data_ptr(), table.shape[1], lengths.data_ptr(), out.data_ptr(),
         seqs, m, heads, kv, dim, vdim, block, scale, window or 0, softcap or 0.0, torch.get_num_threads())
     return out

@@ -11,24 +11,20 @@ from pathlib import Path
 import torch
 
 from core import native
+from runner.engine.kernels import C_FLOATS
 
 SOURCE = Path(__file__).with_suffix(".c")
-KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    lib = native.load(SOURCE, ("-fopenmp",))
-    if lib is not None:
-        lib.add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
-                                                              ctypes.c_int]
-        lib.add_rms_norm.restype = None
-    return lib
+    return native.bind(SOURCE, ("-fopenmp",), {"add_rms_norm": [ctypes.c_void_p] * 4 + [
+        ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]})
 
 
 def available(dtype: torch.dtype) -> bool:
     """Whether the kernel runs for activations of ``dtype`` on this machine."""
-    return dtype in KINDS and _library() is not None
+    return dtype in C_FLOATS and _library() is not None
 
 
 def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,5 +38,5 @@ def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch
     out = torch.empty_like(hidden)
     rows, n = hidden.shape
     _library().add_rms_norm(hidden.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
-                            out.data_ptr(), KINDS[hidden.dtype], rows, n, eps, torch.get_num_threads())
+                            out.data_ptr(), C_FLOATS[hidden.dtype], rows, n, eps, torch.get_num_threads())
     return out
