@@ -19,7 +19,7 @@ SOURCE = Path(__file__).with_suffix(".c")
 @cache
 def _library() -> ctypes.CDLL | None:
     return native.bind(SOURCE, ("-fopenmp",), {"input_digits": [
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int]})
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int]})
 
 
 def available() -> bool:
@@ -30,7 +30,5 @@ def input_digits(x: torch.Tensor, digits: torch.Tensor, scales: torch.Tensor) ->
     """Write the digit rows of ``x`` [rows, n] (contiguous) into ``digits`` (uint8 [D, rows, n]) and
     each row's scale into ``scales`` ([rows, 1]: float32 for D = 2, float64 for D = 4, from float32 inputs)."""
     rows, n = x.shape
-    threads = torch.get_num_threads()
-    wide = torch.empty(threads * n, dtype=torch.float32)
     _library().input_digits(x.data_ptr(), C_FLOATS[x.dtype], rows, n, digits.shape[0], digits.data_ptr(), scales.data_ptr(),
-                            wide.data_ptr(), threads)
+                            torch.get_num_threads())
