@@ -78,6 +78,38 @@ def test_the_c_digit_rows_are_torchs(dtype, rows):
     assert ours[0].max() <= 127 and ours[0][-1].gt(0).any()
 
 
+@pytest.mark.skipif(not linear.DIGIT_KERNEL, reason="this torch has no oneDNN integer kernel (not an x86 build)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("rows", [1, 300])
+def test_the_c_digit_sums_are_torchs(dtype, symmetric, rows):
+    """The C kernel's output from the digits' products equals the torch path's bit for bit, bias
+    included; with a zero-point's offset, whose row sums C adds in another order, within one
+    rounding of the output's dtype."""
+    from runner.engine.kernels import cpu_digits
+
+    if not cpu_digits.available():
+        pytest.skip("no C compiler built the kernel")
+    q = _weight(symmetric)
+    bias = torch.randn(q.shape[0], generator=torch.Generator().manual_seed(3)).to(dtype)
+    layer = linear.Int8Linear(q, bias, dtype, torch.device("cpu"))
+    assert (layer.offset is None) == symmetric
+    x = _inputs(rows, q.shape[1], dtype)
+    digits, scale = layer._digit_rows(rows, q.shape[1])
+    cpu_digits.input_digits(x, digits, scale)
+    out = torch.ops.onednn.qlinear_pointwise(digits.view(-1, q.shape[1]), 1.0, 0, layer.packed, layer.weight_scales,
+                                             layer.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+    out = out.view(layer.digits, rows, -1)
+    ours = torch.empty(rows, q.shape[0], dtype=dtype)
+    cpu_digits.digit_sums(out, layer.digit_offset, scale, x, layer.offset, layer.bias, ours)
+    torch_path = layer._torch_sums(out, x, scale)
+    if symmetric:
+        assert torch.equal(ours, torch_path)
+    else:
+        torch.testing.assert_close(ours, torch_path, rtol=torch.finfo(dtype).eps, atol=torch.finfo(dtype).eps)
+    assert torch.equal(layer(x), ours)
+
+
 def test_int8_without_onednn_runs_on_int8pack(monkeypatch):
     q = _weight(False, n_in=512)  # int8pack's bf16 kernel wants inputs in multiples of 32
     monkeypatch.setattr(linear, "DIGIT_KERNEL", False)

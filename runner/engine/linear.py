@@ -14,11 +14,12 @@ A quantized variant runs on its own codes, so its speed is its own and not a deq
   bf16 input. fbgemm's kernel did this before (1.5x to 2x int8pack's speed at 1 to 64 rows); on
   the 2-core Xeon with AMX oneDNN's is 1.0-1.2x faster at one row and 1.5-3.2x at 4 to 256 rows
   (8192 x 2048 and 2048 x 8192, 2026-12-06), and reads the codes from memory at 94% of the rate a
-  sum reads (26 of 27.6 GB/s, at 1, 2 and 4 rows). The digit rows are made in one C pass
-  (kernels/cpu_digits.c), not eleven torch operations. torch's CUDA int8pack is a reference loop (one
-  thread per output, walking its weight row byte by byte in float32, no tensor cores): on an H200
-  bench/linear_kernels.py over Llama-3-8B's projections did not finish in 50 s with it. On CUDA
-  int8 runs on Triton instead (cuda_linear.py);
+  sum reads (26 of 27.6 GB/s, at 1, 2 and 4 rows). The digit rows are made, and their products
+  summed back, in one C pass each (kernels/cpu_digits.c), not eleven and five to eight torch
+  operations. torch's CUDA int8pack is a reference loop (one thread per output, walking its
+  weight row byte by byte in float32, no tensor cores): on an H200 bench/linear_kernels.py over
+  Llama-3-8B's projections did not finish in 50 s with it. On CUDA int8 runs on Triton instead
+  (cuda_linear.py);
 - int4 by groups of 32 to 256 inputs: ``torch._weight_int4pack_mm_for_cpu`` on a CPU, and on CUDA
   (compute capability 8.0 on, bf16 activations) ``torch._weight_int4pack_mm``, tinygemm's kernel,
   on codes packed two to a byte, even columns in the high nibble. Both dequantize
@@ -90,7 +91,7 @@ class Int8Linear(Linear):
         # the digits' sums are taken in float64 for 28 bits (exact), float32 for 14; int8pack's in the activations' dtype
         self.wide = (torch.float64 if self.digits > 2 else torch.float32) if DIGIT_KERNEL else dtype
         self.offset = None if not offset.any() else offset.to(dtype=self.wide, device=device)
-        self.bias = None if bias is None else bias.to(self.wide)
+        self.bias = None if bias is None else bias.to(self.wide).contiguous()
         if DIGIT_KERNEL:
             self.packed, self._buffers = torch.ops.onednn.qlinear_prepack(codes, None), {}
             self.weight_scales, self.zero_points = scales, torch.zeros(len(scales), dtype=torch.int32)
@@ -111,21 +112,31 @@ class Int8Linear(Linear):
         """``x @ (codes · scale)ᵀ`` (with the zero-point's offset and the bias) from one oneDNN call
         on the digit rows of ``x``: row ``r`` is ``s_r · (u - 2^(b-1))``, ``u`` an integer of
         ``b = 7 · digits`` bits, ``u = Σ_j 128^j d_j``; one rounding to the activations' dtype, at the end."""
-        rows, n_in, wide = x.shape[0], x.shape[1], self.wide
+        rows, n_in = x.shape
         digits, scale = self._digit_rows(rows, n_in)
-        if cpu_digits.available():  # one pass in C (cpu_digits.c says why), else eleven torch operations
-            cpu_digits.input_digits(x.contiguous(), digits, scale)
+        c_kernel = cpu_digits.available()  # one pass in C each way (cpu_digits.c says why), else torch operations
+        x = x.contiguous()
+        if c_kernel:
+            cpu_digits.input_digits(x, digits, scale)
         else:
             self._torch_digits(x, digits, scale)
         out = torch.ops.onednn.qlinear_pointwise(digits.view(-1, n_in), 1.0, 0, self.packed, self.weight_scales,
                                                  self.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
         out = out.view(self.digits, rows, -1)
-        y = out[-1].to(wide)
+        if not c_kernel:
+            return self._torch_sums(out, x, scale)
+        y = torch.empty(rows, out.shape[-1], dtype=self.dtype)
+        cpu_digits.digit_sums(out, self.digit_offset, scale, x, self.offset, self.bias, y)
+        return y
+
+    def _torch_sums(self, out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``cpu_digits.digit_sums`` by torch: the output from the digits' products ``out``."""
+        y = out[-1].to(self.wide)
         for j in range(self.digits - 2, -1, -1):  # Horner: Σ_j 128^j out_j
             y = torch.add(out[j], y, alpha=128)
         y = y.sub_(self.digit_offset).mul_(scale)
         if self.offset is not None:
-            y = y.addcmul_(x.to(wide).sum(-1, keepdim=True), self.offset)
+            y = y.addcmul_(x.to(self.wide).sum(-1, keepdim=True), self.offset)
         return (y if self.bias is None else y.add_(self.bias)).to(self.dtype)
 
     def _torch_digits(self, x: torch.Tensor, digits: torch.Tensor, scale: torch.Tensor) -> None:
