@@ -28,6 +28,8 @@ of consecutive columns and is written as ``actorder: weight``.
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,7 +41,7 @@ from formats.checkpoint_format import CheckpointFormat, ExportContents
 from formats.hf import HFCheckpoint
 from formats.packing import pack_codes, unpack_codes
 from formats.quantized_folder import Planned, QuantizedFolderWriter, unquantized_linears
-from formats.quantized_layout import Expected, QuantizedLayout
+from formats.quantized_layout import Expected, MixedLayout, QuantizedLayout
 
 
 def layout(spec: QuantSpec, activations: ActivationSpec | None = None) -> str:
@@ -242,25 +244,50 @@ class CompressedTensorsFormat(CheckpointFormat):
         return CompressedTensorsWriter(dest, c.source, c.names, c.quantized, c.spec, c.activations, c.act_order, c.specs)
 
     def read(self, config: dict, raw: HFCheckpoint) -> QuantizedLayout:
-        """One config group: its weights' layout, as this module writes them (and llm-compressor)."""
-        fmt = config.get("format")
+        """Its weights' layout, as this module writes them (and llm-compressor): one config group,
+        or a group per grid (``bits: auto``), each Linear read by the group that targets it."""
         groups = config.get("config_groups") or {}
-        if len(groups) != 1:
-            raise ValueError("more than one config group")
-        w = next(iter(groups.values()))["weights"]
-        strategy = w.get("strategy")
-        if fmt == "pack-quantized" and w.get("type") == "int" and strategy in ("group", "channel"):
-            return PackQuantized(QuantSpec(w["num_bits"], bool(w.get("symmetric", True)), strategy, w.get("group_size")))
-        if fmt == "int-quantized" and w.get("type") == "int" and w.get("num_bits") == 8 and strategy == "channel" \
-                and w.get("symmetric", True):
-            return IntQuantized(QuantSpec(8, True, "channel"))
-        if fmt == "float-quantized" and w.get("type") == "float" and w.get("num_bits") == 8 \
-                and strategy in ("tensor", "channel", "block"):
-            block = w.get("block_structure") if strategy == "block" else None
-            if block is not None and (len(block) != 2 or block[0] != block[1]):
-                raise ValueError(f"block_structure {block} (square blocks only)")
-            return FloatQuantized(QuantSpec(8, True, strategy, block[0] if block else None, format="fp8_e4m3"))
-        raise ValueError(f"format {fmt!r} with {w.get('num_bits')}-bit {w.get('type')} weights by {strategy}")
+        if not groups:
+            raise ValueError("no config groups")
+        fmt = config.get("format")  # compressed-tensors' "mixed-precision": each group names its own
+        layouts = []
+        for group in groups.values():
+            layout = _group_layout(group.get("format") if fmt in (None, "mixed-precision") else fmt, group["weights"])
+            layouts.append((targets_matcher(group.get("targets", ["Linear"])), layout))
+        if len(layouts) == 1:
+            return layouts[0][1]
+        if len({layout.name for _, layout in layouts}) > 1:
+            raise ValueError("config groups in different formats")
+        return MixedLayout(layouts, f"{raw.path / 'config.json'}")
+
+
+def targets_matcher(targets: list[str]) -> Callable[[str], bool]:
+    """Whether a module is one of a config group's ``targets``, as compressed-tensors matches them:
+    its class (``Linear``: every Linear the file quantizes), a ``re:`` regex, or its name."""
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise ValueError(f"targets {targets!r}")
+    if "Linear" in targets:
+        return lambda module: True
+    names = {t for t in targets if not t.startswith("re:")}
+    patterns = [re.compile(t.removeprefix("re:")) for t in targets if t.startswith("re:")]
+    return lambda module: module in names or any(p.match(module) for p in patterns)
+
+
+def _group_layout(fmt: str | None, w: dict) -> QuantizedLayout:
+    """One config group's layout, from its format and its ``weights``."""
+    strategy = w.get("strategy")
+    if fmt == "pack-quantized" and w.get("type") == "int" and strategy in ("group", "channel"):
+        return PackQuantized(QuantSpec(w["num_bits"], bool(w.get("symmetric", True)), strategy, w.get("group_size")))
+    if fmt == "int-quantized" and w.get("type") == "int" and w.get("num_bits") == 8 and strategy == "channel" \
+            and w.get("symmetric", True):
+        return IntQuantized(QuantSpec(8, True, "channel"))
+    if fmt == "float-quantized" and w.get("type") == "float" and w.get("num_bits") == 8 \
+            and strategy in ("tensor", "channel", "block"):
+        block = w.get("block_structure") if strategy == "block" else None
+        if block is not None and (len(block) != 2 or block[0] != block[1]):
+            raise ValueError(f"block_structure {block} (square blocks only)")
+        return FloatQuantized(QuantSpec(8, True, strategy, block[0] if block else None, format="fp8_e4m3"))
+    raise ValueError(f"format {fmt!r} with {w.get('num_bits')}-bit {w.get('type')} weights by {strategy}")
 
 
 FORMAT = CompressedTensorsFormat()

@@ -32,7 +32,7 @@ from formats.checkpoint_format import CheckpointFormat, ExportContents, weight_o
 from formats.hf import HFCheckpoint
 from formats.packing import pack_codes, unpack_codes
 from formats.quantized_folder import Planned, QuantizedFolderWriter, fused_name
-from formats.quantized_layout import Expected, QuantizedLayout
+from formats.quantized_layout import Expected, MixedLayout, QuantizedLayout
 
 BITS = (2, 3, 4, 8)
 
@@ -177,14 +177,26 @@ class GPTQFormat(CheckpointFormat):
     def read(self, config: dict, raw: HFCheckpoint) -> GPTQLayout:
         if config.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
             raise ValueError(f"checkpoint_format {config.get('checkpoint_format')!r}")
-        if config.get("dynamic"):
-            raise ValueError("per-module dynamic overrides: Linears on several grids")
-        group = config.get("group_size", -1)
-        spec = QuantSpec(config["bits"], bool(config.get("sym", True)), "channel" if group in (-1, None) else "group",
-                         None if group in (-1, None) else group)
-        if config.get("checkpoint_format", "gptq") == "gptq" and not spec.symmetric:
-            raise ValueError("asymmetric weights in checkpoint_format gptq (v1 cannot hold them)")
-        return GPTQLayout(spec)
+        base = _layout(config)
+        dynamic = config.get("dynamic") or {}
+        if not isinstance(dynamic, dict):
+            raise ValueError(f"dynamic {dynamic!r}")
+        # GPTQModel's per-module overrides, matched in order against each module's name: "+:regex" (or
+        # a bare regex) puts it on its own grid; "-:regex" leaves it unquantized, stored as a float
+        # weight, which the reader finds by its name alone
+        rules = [(re.compile(key.removeprefix("+:")).match, _layout({**config, **override}))
+                 for key, override in dynamic.items() if not key.startswith("-:")]
+        return MixedLayout([*rules, (lambda module: True, base)], f"{raw.path / 'config.json'}") if rules else base
+
+
+def _layout(config: dict) -> GPTQLayout:
+    """The grid of a GPTQ config (or of one of its ``dynamic`` overrides laid over it)."""
+    group = config.get("group_size", -1)
+    spec = QuantSpec(config["bits"], bool(config.get("sym", True)), "channel" if group in (-1, None) else "group",
+                     None if group in (-1, None) else group)
+    if config.get("checkpoint_format", "gptq") == "gptq" and not spec.symmetric:
+        raise ValueError("asymmetric weights in checkpoint_format gptq (v1 cannot hold them)")
+    return GPTQLayout(spec)
 
 
 FORMAT = GPTQFormat()

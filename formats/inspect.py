@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from gguf import GGUFValueType
 
 from core.errors import InputError
+from formats.compressed_tensors import targets_matcher
 from formats.gguf_file import MAGIC, read_gguf_header
 from formats.hf import read_json, read_safetensors_header
 
@@ -70,11 +73,12 @@ def inspect_file(path: Path) -> FileSummary:
 
 def _inspect_safetensors(path: Path) -> FileSummary:
     header = read_safetensors_header(path)
-    scheme, bits = _quantization(path)
+    scheme, bits_of = _quantization(path)
     tensors = []
     for name, info in header.tensors.items():
         shape = tuple(info["shape"])
         weights = None
+        bits = bits_of(name.rpartition(".weight")[0] or name.rpartition(".")[0]) if bits_of else None
         if bits and name.endswith(_AUXILIARY):
             weights = 0
         elif bits and name.endswith((".qweight", ".weight_packed")):  # int32 words of packed codes
@@ -85,9 +89,11 @@ def _inspect_safetensors(path: Path) -> FileSummary:
     return FileSummary(path, "safetensors", header.metadata, tensors, scheme)
 
 
-def _quantization(path: Path) -> tuple[str | None, int | None]:
-    """(scheme, code bits) of a quantized checkpoint, from the config.json beside the file; (None,
-    None) where there is none, or it does not describe a scheme this knows."""
+def _quantization(path: Path) -> tuple[str | None, Callable[[str], int] | None]:
+    """(scheme, a module's code bits) of a quantized checkpoint, from the config.json beside the
+    file; (None, None) where there is none, or it does not describe a scheme this knows. A file of
+    several grids (GPTQModel's ``dynamic``, compressed-tensors' config groups) gives each module its
+    grid's bits."""
     try:
         config = read_json(path.parent / "config.json")
     except InputError:
@@ -98,16 +104,28 @@ def _quantization(path: Path) -> tuple[str | None, int | None]:
     method, bits = config.get("quant_method"), config.get("bits")
     if method in ("gptq", "awq") and bits in (2, 3, 4, 8):
         group = config.get("group_size", -1)
-        return f"{method} int{bits} {'channel' if group == -1 else f'g{group}'}", bits
+        dynamic = config.get("dynamic") if isinstance(config.get("dynamic"), dict) else {}
+        overrides = [(re.compile(k.removeprefix("+:")), v.get("bits", bits)) for k, v in dynamic.items()
+                     if isinstance(v, dict) and not k.startswith("-:")]
+        mixed = f" (+ {len(overrides)} overrides: {', '.join(sorted({f'int{b}' for _, b in overrides}))})" if overrides else ""
+        return f"{method} int{bits} {'channel' if group == -1 else f'g{group}'}{mixed}", \
+            lambda module: next((b for pattern, b in overrides if pattern.match(module)), bits)
     if method == "bitsandbytes" and config.get("load_in_4bit"):
-        return f"bitsandbytes {config.get('bnb_4bit_quant_type')}", 4
+        return f"bitsandbytes {config.get('bnb_4bit_quant_type')}", lambda module: 4
     groups = config.get("config_groups")
-    group = next(iter(groups.values()), None) if isinstance(groups, dict) and groups else None
-    weights = group.get("weights") if isinstance(group, dict) else None
-    if method == "compressed-tensors" and isinstance(weights, dict) and weights.get("num_bits") in range(1, 33):
-        bits = weights["num_bits"]
-        return f"compressed-tensors {config.get('format')} {weights.get('type')}{bits} {weights.get('strategy')}", bits
-    return None, None
+    if method != "compressed-tensors" or not isinstance(groups, dict) or not groups:
+        return None, None
+    try:
+        grids = [(targets_matcher(g.get("targets")), g["weights"]) for g in groups.values()
+                 if isinstance(g, dict) and isinstance(g.get("weights"), dict) and g["weights"].get("num_bits") in range(1, 33)]
+    except ValueError:  # targets this does not read
+        return None, None
+    if len(grids) != len(groups):
+        return None, None
+    names = [f"{w.get('type')}{w['num_bits']} " + (f"g{w['group_size']}" if w.get("group_size") else str(w.get("strategy")))
+             for _, w in grids]
+    return f"compressed-tensors {config.get('format')} {' + '.join(dict.fromkeys(names))}", \
+        lambda module: next((w["num_bits"] for matches, w in grids if matches(module)), None)
 
 
 def _inspect_gguf(path: Path) -> FileSummary:

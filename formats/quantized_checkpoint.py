@@ -38,7 +38,7 @@ class QuantizedCheckpoint:
     def __init__(self, files: HFCheckpoint, method: str, layout: QuantizedLayout, stored: set[str], names: list[str],
                  fused: dict[str, list[str]] | None = None):
         self.path, self.config, self.arch = files.path, files.config, files.arch
-        self.spec, self.method, self.names = layout.spec, method, names
+        self.method, self.names = method, names
         self.layout = layout.name  # compressed-tensors' format (pack-quantized, ...); the method's name otherwise
         self._layout = layout
         self._fused = fused or {}  # a fused weight -> the stored parts it is made of, by rows
@@ -52,8 +52,9 @@ class QuantizedCheckpoint:
 
     @property
     def label(self) -> str:
-        """What the checkpoint is, for a report: its method and weights, e.g. ``gptq int4-g128-asym``."""
-        return f"{self.method} {self.spec.label}"
+        """What the checkpoint is, for a report: its method and weights, e.g. ``gptq int4-g128-asym``
+        (``mixed int4-g64-sym + int4-g32-sym`` for Linears on several grids)."""
+        return f"{self.method} {self._layout.label}"
 
     @property
     def bits_per_weight(self) -> float:
@@ -107,10 +108,10 @@ class QuantizedCheckpoint:
             if name.endswith("mlp.gate_up_proj.weight") and name not in stored and set(parts) <= quantized:
                 # Phi-3's GPTQ and AWQ folders split it as GPTQModel quantizes it: fused back here
                 for part in parts:
-                    needed |= _check_stored(raw, layout, part, (shape[0] // 2, shape[1]))
+                    needed |= _check_stored(raw, layout.for_weight(part), part, (shape[0] // 2, shape[1]))
                 fused[name] = parts
             elif name in quantized:
-                needed |= _check_stored(raw, layout, name, shape)
+                needed |= _check_stored(raw, layout.for_weight(name), name, shape)
             elif name in stored:
                 if raw.shape(name) != shape:
                     raise InputError(f"{path}: tensor '{name}' has shape {list(raw.shape(name))}, the config gives {list(shape)}")
@@ -128,18 +129,18 @@ class QuantizedCheckpoint:
             shapes = [self.shape(p) for p in self._fused[name]]
             return sum(s[0] for s in shapes), shapes[0][1]
         if name in self._stored_quantized:
-            return self._layout.shape(self._files, name)
+            return self._layout.for_weight(name).shape(self._files, name)
         return self._files.shape(name)
 
     def payload(self, name: str) -> TensorPayload:
         if name in self._fused:
             parts = [self.payload(p) for p in self._fused[name]]
-            if any(p.group_index is not None for p in parts):  # act-order parts keep their own column groups
-                return torch.cat([p.dequantize() for p in parts])
-            return QuantizedTensor(self.spec, *(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "zeros")))
+            if any(p.group_index is not None or p.spec != parts[0].spec for p in parts):
+                return torch.cat([p.dequantize() for p in parts])  # act-order parts keep their own column groups
+            return QuantizedTensor(parts[0].spec, *(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "zeros")))
         if name not in self._stored_quantized:
             return self._files.tensor(name)
-        return self._layout.payload(self._files, name, self.shape(name))
+        return self._layout.for_weight(name).payload(self._files, name, self.shape(name))
 
     def tensor(self, name: str) -> torch.Tensor:
         payload = self.payload(name)

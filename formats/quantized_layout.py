@@ -5,6 +5,7 @@ format is read back by the code that knows how it was written."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +30,15 @@ class QuantizedLayout:
 
     def __init__(self, spec: QuantSpec):
         self.spec = spec
+
+    @property
+    def label(self) -> str:
+        """The grid, for a report: ``int4-g128-asym``."""
+        return self.spec.label
+
+    def for_weight(self, name: str) -> "QuantizedLayout":
+        """The layout that holds the quantized weight ``name``: this one, unless the file mixes grids."""
+        return self
 
     def groups(self, n_in: int) -> int:
         return n_in // self.spec.group_size if self.spec.granularity == "group" else 1
@@ -58,3 +68,26 @@ class QuantizedLayout:
         """The quantized weight ``name`` of ``shape``: its codes, scales and zero-points (or, for
         a layout our grids do not hold, its float32 values)."""
         raise NotImplementedError
+
+
+class MixedLayout(QuantizedLayout):
+    """Linears on several grids in one file (``bits: auto``: compressed-tensors' config groups,
+    GPTQModel's ``dynamic``): each quantized weight read by the first layout whose rule matches its
+    module's name. Every layout is of one format, so they share ``name`` and ``marker``."""
+
+    def __init__(self, rules: list[tuple[Callable[[str], bool], QuantizedLayout]], where: str):
+        first = rules[0][1]
+        super().__init__(first.spec)
+        self.name, self.marker, self._rules, self._where = first.name, first.marker, rules, where
+
+    @property
+    def label(self) -> str:
+        grids = dict.fromkeys(layout.spec.label for _, layout in self._rules)
+        return "mixed " + " + ".join(grids)
+
+    def for_weight(self, name: str) -> QuantizedLayout:
+        module = name.removesuffix(".weight")
+        layout = next((layout for matches, layout in self._rules if matches(module)), None)
+        if layout is None:
+            raise InputError(f"{self._where}: the quantized weight '{name}' is in none of the file's grids")
+        return layout

@@ -47,8 +47,6 @@ def engine_source(model: Path, variant: Variant | None, files: list[Path]) -> tu
     GPTQ export; not quantized activations, which it has no kernels for."""
     if variant is not None and variant.activations is not None:
         return "the engine has no quantized-activation kernels"
-    if variant is not None and getattr(variant.weights, "searches_bits", False):
-        return "the engine reads one grid per checkpoint, not the mix bits auto chose"
     source = model if variant is None or variant.weights.method == "none" else \
         next((f for f in files if f.name in _ENGINE_EXPORTS), None)
     if source is None:

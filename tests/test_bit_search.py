@@ -203,15 +203,40 @@ def test_gptqmodel_reads_the_dynamic_overrides_back(mixed):
     assert_read_back_exactly(read_back(folder, "gptq"))
 
 
-@pytest.mark.parametrize("export, why", [("compressed-tensors", "more than one config group"),
-                                         ("gptq", "per-module dynamic overrides: Linears on several grids")])
-def test_a_mix_of_grids_as_a_source_is_refused_in_one_line(mixed, export, why):
-    """Our reader of quantized checkpoints (a recipe's model, ``quantize inspect``) takes one grid per file."""
+@pytest.mark.parametrize("export", ["compressed-tensors", "gptq"])
+def test_a_mix_of_grids_reads_back_as_its_weights_and_the_engine_runs_it(mixed, export):
+    """Our reader of quantized checkpoints (the engine, a recipe's model, ``quantize inspect``) reads
+    each Linear on its own grid: every weight is the variant's, ``quantize inspect`` counts each
+    packed tensor's weights by its grid's bits, and the engine, on the codes, gives the greedy
+    tokens of the variant's dense export."""
+    from formats.inspect import inspect_file
     from formats.sources import open_checkpoint
+    from helpers.engine import prompts_from_text
+    from runner import LLM, SamplingParams
 
-    with pytest.raises(InputError) as e:
-        open_checkpoint(mixed[0] / export)
-    assert why in str(e.value) and "\n" not in str(e.value)
+    folder, _ = mixed
+    ckpt = open_checkpoint(folder / export)
+    ours = load_file(str(folder / "safetensors" / "model.safetensors"))
+    assert len({ckpt.payload(name).spec for name in ckpt.quantized}) >= 2 and "mixed" in ckpt.label, ckpt.label
+    for name in ckpt.quantized:
+        assert torch.equal(ckpt.tensor(name).half(), ours[name].half()), name
+
+    packed = ".weight_packed" if export == "compressed-tensors" else ".qweight"
+    counted = {t.name.removesuffix(packed): t.weights for t in inspect_file(folder / export / "model.safetensors").tensors
+               if t.name.endswith(packed)}
+    assert counted == {name.removesuffix(".weight"): int(np.prod(ckpt.shape(name))) for name in ckpt.quantized}
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    runs, kinds = {}, {}
+    for source in (export, "safetensors"):
+        llm = LLM(folder / source, dtype="fp32", kv_memory=16 * 2**20)
+        runs[source] = llm.generate(prompts_from_text()[:4], params)
+        kinds[source] = {linear.kind for layer in llm.engine.model.layers for m in ("qkv", "o", "gate_up", "down")
+                         for linear in layer[m]}
+    assert len(kinds[export]) >= 2 and kinds["safetensors"] == {"dense"}, kinds
+    assert [o.token_ids for o in runs[export]] == [o.token_ids for o in runs["safetensors"]]
+    for a, b in zip(runs[export], runs["safetensors"]):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
 
 
 @pytest.fixture(scope="module")

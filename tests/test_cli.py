@@ -268,7 +268,7 @@ def test_inspect_counts_packed_weights_of_quantized_checkpoints(monkeypatch, cap
     out, report = small_run
     row = next(r for r in report["variants"] if r["name"] == "int4-g64-asym")
     code, text, _ = quantize(monkeypatch, capsys, "inspect", out / "int4-g64-asym" / "compressed-tensors" / "model.safetensors")
-    assert code == 0 and "(compressed-tensors pack-quantized int4 group)" in text
+    assert code == 0 and "(compressed-tensors pack-quantized int4 g64)" in text
     # the file's bytes over the weights its int32 words hold: what the report counted for the variant
     bits = float(text.split(" bits per weight")[0].split()[-1])
     assert bits == pytest.approx(row["bits_per_weight"], rel=0.005)
