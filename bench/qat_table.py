@@ -5,7 +5,7 @@ post-training quantization loses, beyond the model and text it was tuned on?
     python bench/qat_table.py [--models tiny ref smollm2 gemma3] [--calib FILE] [--eval FILE]
         [--cross FILE] [--json] [--configs 4:128 3:128 2:64] [--methods rtn gptq qat torchao-qat]
         [--calib-windows 32] [--window 512] [--seed 0] [--eval-windows 16] [--steps 200] [--lr 0.01]
-        [--batch 2] [--holdout 0.125] [--init rtn] [--no-keep-gptq] [--e2e-steps 0] [--e2e-lr 1e-3]
+        [--batch 2] [--holdout 0.125] [--average 0.95] [--init rtn] [--no-keep-gptq] [--e2e-steps 0] [--e2e-lr 1e-3]
         [--torchao-steps 400] [--torchao-lr 1e-4] [--gguf]
 
 Models are folders, GGUF files, or the names ``tiny`` and ``ref`` (the shared models) and
@@ -70,6 +70,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--holdout", type=float, default=0.125, help="QAT: share of the windows held out to guide training")
+    parser.add_argument("--average", type=float, default=0.95,
+                        help="QAT: decay of the parameters' moving average, scored at each look too (0: none)")
     parser.add_argument("--init", choices=["rtn", "gptq"], default="rtn", help="QAT's starting grid")
     parser.add_argument("--keep-gptq", action=argparse.BooleanOptionalAction, default=True,
                         help="QAT from RTN: a layer keeps GPTQ's solution where it is better on the held-out windows")
@@ -277,7 +279,7 @@ def run_worker(method: str, bits: int, group: int, args, model: Path, windows_fi
     else:
         cmd = [sys.executable, __file__, "--worker", method, *common, "--steps", str(args.steps), "--lr", str(args.lr),
                "--e2e-steps", str(args.e2e_steps), "--e2e-lr", str(args.e2e_lr),
-               "--holdout", str(args.holdout), "--init", args.init, "--keep-gptq" if args.keep_gptq else "--no-keep-gptq"]
+               "--holdout", str(args.holdout), "--average", str(args.average), "--init", args.init, "--keep-gptq" if args.keep_gptq else "--no-keep-gptq"]
         result = out / "run.json"
     done = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if done.returncode:
@@ -294,7 +296,7 @@ def worker(argv: list[str]) -> None:
         parser.add_argument(flag, type=Path, required=True)
     for flag in ("--bits", "--group-size", "--steps", "--batch", "--e2e-steps"):
         parser.add_argument(flag, type=int, required=True)
-    for flag in ("--lr", "--e2e-lr", "--holdout"):
+    for flag in ("--lr", "--e2e-lr", "--holdout", "--average"):
         parser.add_argument(flag, type=float, required=True)
     parser.add_argument("--init", choices=["rtn", "gptq"], required=True)
     parser.add_argument("--keep-gptq", action=argparse.BooleanOptionalAction, required=True)
@@ -320,7 +322,7 @@ def worker(argv: list[str]) -> None:
         fitted = {n: r.tensor for layer in gptq_model(ckpt, windows, spec) for n, r in layer.items()}
     else:
         settings = QATSettings(steps=args.steps, lr=args.lr, batch=args.batch, e2e_steps=args.e2e_steps, e2e_lr=args.e2e_lr,
-                               holdout=args.holdout, init=args.init, keep_gptq=args.keep_gptq)
+                               holdout=args.holdout, average=args.average, init=args.init, keep_gptq=args.keep_gptq)
         args.out.mkdir(parents=True, exist_ok=True)
         with (args.out / "trace.jsonl").open("w") as trace:  # training and held-out losses, for docs/qat.md's diagnosis
 
@@ -338,7 +340,7 @@ def worker(argv: list[str]) -> None:
 def print_table(rows: list[dict], args) -> None:
     print(f"calibration {args.calib} ({args.calib_windows} x {args.window} tokens, seed {args.seed}); in domain {args.eval}, "
           f"cross domain {args.cross}; QAT {args.steps} steps per layer, lr {args.lr:g}, batch {args.batch}, holdout "
-          f"{args.holdout:g}, from {args.init}{'' if args.init == 'gptq' or not args.keep_gptq else ' (GPTQ kept where better)'}, {args.e2e_steps} end-to-end steps; torchao {args.torchao_steps} steps, "
+          f"{args.holdout:g}, average {args.average:g}, from {args.init}{'' if args.init == 'gptq' or not args.keep_gptq else ' (GPTQ kept where better)'}, {args.e2e_steps} end-to-end steps; torchao {args.torchao_steps} steps, "
           f"lr {args.torchao_lr:g}; all grids asymmetric")
     print(f"{'model':<9}{'method':<12}{'bits':>5}{'group':>6}{'ppl':>9}{'Δppl':>9}{'Δ/Δgptq':>8}{'KLD':>8}{'H':>6}"
           f"{'cross ppl':>10}{'Δppl':>9}{'Δ/Δgptq':>8}{'KLD':>8}{'H':>6}{'ΔT*':>9}{'Δ/Δgptq':>8}{'s':>8}{'MiB':>6}")

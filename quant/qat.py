@@ -71,6 +71,7 @@ class QATSettings:
     save_seconds: float = 300.0  # how often the end-to-end phase saves its state to a checkpoint folder
     holdout: float = 0.125  # share of the calibration windows kept out of training to judge it (0: none)
     check_every: int = 10  # steps between two looks at the held-out windows
+    average: float = 0.95  # decay of the parameters' moving average, also scored at each look (0: none; docs/qat.md)
 
 
 def qat_model(ckpt: HFCheckpoint, windows: torch.Tensor, spec: Grid, settings: QATSettings = QATSettings(),
@@ -210,7 +211,11 @@ def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict,
     (docs/qat.md). Training stops at a look worse than the starting grid once half the steps are
     done. Not before: while the rate is high a layer's held-out loss can jump (Gemma-3-270M's
     layers rose 2-5x at the first look, then fell far below the start), and stopping after a few
-    looks without a better one cut the ref model's last layer at 50 of 200 steps. A ``rival``
+    looks without a better one cut the ref model's last layer at 50 of 200 steps. Each look also
+    scores the parameters' moving average (decay ``average``, over about 20 steps at 0.95), which
+    is kept where it is the best grid so far: an average of nearby solutions fits the trained
+    windows less closely than its members, and it rescues a rate too large to improve on the
+    start. A ``rival``
     solution (GPTQ's grids) is returned instead of the trained grids where its held-out loss is
     lower."""
     trainable = {n: trainable_grid(weights[n], grids[n], settings.learn_scales) for n in grids}
@@ -242,6 +247,7 @@ def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict,
     if guarded:
         on_held("training", 0, start)
     order = torch.empty(0, dtype=torch.long)
+    average = _snapshot(params) if guarded and settings.average > 0 else None
     for i in range(settings.steps):
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
@@ -255,9 +261,21 @@ def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict,
         optimizer.step()
         schedule.step()
         on_step(i, total)
+        if average is not None:
+            with torch.no_grad():
+                for a, p in zip(average, params):
+                    a.lerp_(p, 1 - settings.average)
         if guarded and ((i + 1) % settings.check_every == 0 or i + 1 == settings.steps):
             now = held_loss()
             on_held("training", i + 1, now)
+            if average is not None:
+                current = _snapshot(params)
+                _restore(params, average)
+                averaged = held_loss()
+                on_held("average", i + 1, averaged)
+                if averaged < min(best, now):
+                    best, kept = averaged, _snapshot(params)
+                _restore(params, current)
             if now < best:
                 best, kept = now, _snapshot(params)
             elif now >= start and i + 1 >= settings.steps / 2:  # the rate under half its peak: no longer its noise

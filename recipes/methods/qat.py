@@ -52,6 +52,7 @@ class QATWeights(Targeted):
     accumulate: int = Field(default=1, ge=1, le=1024)  # micro-batches per optimizer step
     learn_scales: bool = True
     holdout: float = Field(default=0.125, ge=0, lt=1)  # share of the calibration windows that guides training
+    average: float = Field(default=0.95, ge=0, lt=1)  # decay of the moving average each look also scores (0: none)
     e2e_steps: int = Field(default=E2E_STEPS, ge=0, le=1_000_000)  # end to end, after the layers (0: none)
     e2e_lr: float = Field(default=1e-3, gt=0, le=1)  # relative to each scale, per optimizer step
     calibrated: ClassVar[bool] = True
@@ -91,7 +92,7 @@ class QATWeights(Targeted):
     def settings(self) -> QATSettings:
         return QATSettings(steps=self.steps, lr=self.lr, batch=self.batch, accumulate=self.accumulate,
                            learn_scales=self.learn_scales, init=self.init, keep_gptq=self.keep_gptq, holdout=self.holdout,
-                           e2e_steps=self.e2e_steps, e2e_lr=self.e2e_lr)
+                           average=self.average, e2e_steps=self.e2e_steps, e2e_lr=self.e2e_lr)
 
 
 @register("qat")
