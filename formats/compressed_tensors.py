@@ -269,7 +269,10 @@ def targets_matcher(targets: list[str]) -> Callable[[str], bool]:
     if "Linear" in targets:
         return lambda module: True
     names = {t for t in targets if not t.startswith("re:")}
-    patterns = [re.compile(t.removeprefix("re:")) for t in targets if t.startswith("re:")]
+    try:
+        patterns = [re.compile(t.removeprefix("re:")) for t in targets if t.startswith("re:")]
+    except re.error as e:
+        raise ValueError(f"targets {targets!r}: {e}") from None
     return lambda module: module in names or any(p.match(module) for p in patterns)
 
 

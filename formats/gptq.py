@@ -184,8 +184,11 @@ class GPTQFormat(CheckpointFormat):
         # GPTQModel's per-module overrides, matched in order against each module's name: "+:regex" (or
         # a bare regex) puts it on its own grid; "-:regex" leaves it unquantized, stored as a float
         # weight, which the reader finds by its name alone
-        rules = [(re.compile(key.removeprefix("+:")).match, _layout({**config, **override}))
-                 for key, override in dynamic.items() if not key.startswith("-:")]
+        try:
+            rules = [(re.compile(key.removeprefix("+:")).match, _layout({**config, **override}))
+                     for key, override in dynamic.items() if not key.startswith("-:")]
+        except re.error as e:
+            raise ValueError(f"dynamic: a regex that does not compile ({e})") from None
         return MixedLayout([*rules, (lambda module: True, base)], f"{raw.path / 'config.json'}") if rules else base
 
 

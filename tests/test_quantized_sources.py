@@ -444,6 +444,11 @@ def test_a_compressed_tensors_folder_llm_compressor_wrote_converts_to_q4_k_m_wit
     ({"quant_method": "awq", "version": "exllama", "bits": 4, "group_size": 64}, "a awq quantization_config this reader does not take .version 'exllama'"),
     ({"quant_method": "compressed-tensors", "format": "marlin-24", "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4, "strategy": "group"}}}},
      "format 'marlin-24' with 4-bit int weights by group"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 64, "dynamic": {"+:model.(layers": {"bits": 8}}},
+     "a gptq quantization_config this reader does not take .dynamic: a regex that does not compile"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "g": {"targets": ["re:model.(layers"], "weights": {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 64}}}},
+     "targets .'re:model.\\(layers'.: missing"),
 ])
 def test_a_quantization_config_no_reader_takes_is_refused_in_one_line(sources, tmp_path, quantization, fragment):
     import json
