@@ -4,8 +4,8 @@ Why: a few hot loops (a decode step's paged attention, an i-quant's neighbour se
 branchy or gather-heavy work that torch and numpy can only vectorise by doing several times the
 arithmetic. Each kernel is one C file beside its Python module, built by the machine's C compiler
 (``cc``, or ``$CC``) for this CPU (``-march=native``) into ``~/.cache/quantbench/kernels``, under a
-name that hashes the source, the flags, the compiler and the CPU, so a changed source or another
-machine never loads a stale binary. No Python or torch headers are needed, so a build takes about
+name that hashes the source and the headers beside it, the flags, the compiler and the CPU, so a
+changed source or another machine never loads a stale binary. No Python or torch headers are needed, so a build takes about
 a second. Where no compiler works, ``load`` warns once and returns None, and the caller's torch or
 numpy path runs: the results are the same, only slower.
 """
@@ -44,7 +44,7 @@ def load(source: Path, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     compiler = os.environ.get("CC", "cc")
     all_flags = [*BASE_FLAGS, *flags]
     try:
-        code = source.read_bytes()
+        code = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
         key = hashlib.sha256(b"\0".join([code, " ".join(all_flags).encode(), compiler.encode(),
                                          platform.machine().encode(), _cpu_name().encode()])).hexdigest()[:16]
         folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "quantbench" / "kernels"

@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { F32 = 0, BF16 = 1, F16 = 2 };
+#include "c_floats.h"
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));

@@ -18,22 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { F32 = 0, BF16 = 1, F16 = 2 };
-
-static inline float from_bf16(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* round to nearest, ties to even, as torch's c10::BFloat16 rounds (a NaN stays a NaN) */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    const uint16_t rounded = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    return (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0 : rounded;
-}
+#include "c_floats.h"
 
 static inline float load(const void *x, int kind, int64_t i) {
     if (kind == F32) return ((const float *)x)[i];
