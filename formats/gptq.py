@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -178,18 +179,24 @@ class GPTQFormat(CheckpointFormat):
         if config.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
             raise ValueError(f"checkpoint_format {config.get('checkpoint_format')!r}")
         base = _layout(config)
-        dynamic = config.get("dynamic") or {}
-        if not isinstance(dynamic, dict):
-            raise ValueError(f"dynamic {dynamic!r}")
-        # GPTQModel's per-module overrides, matched in order against each module's name: "+:regex" (or
-        # a bare regex) puts it on its own grid; "-:regex" leaves it unquantized, stored as a float
-        # weight, which the reader finds by its name alone
-        try:
-            rules = [(re.compile(key.removeprefix("+:")).match, _layout({**config, **override}))
-                     for key, override in dynamic.items() if not key.startswith("-:")]
-        except re.error as e:
-            raise ValueError(f"dynamic: a regex that does not compile ({e})") from None
+        rules = [(matches, _layout({**config, **override})) for matches, override in read_dynamic(config)]
         return MixedLayout([*rules, (lambda module: True, base)], f"{raw.path / 'config.json'}") if rules else base
+
+
+def read_dynamic(config: dict) -> list[tuple[Callable[[str], object], dict]]:
+    """GPTQModel's per-module overrides of a config, in the order they are matched against each
+    module's name: for each "+:regex" (or bare regex), whether a module matches it and the fields
+    that put it on its own grid. "-:regex" ones leave a module unquantized, stored as a float
+    weight, which a reader finds by its name alone, so they are left out. ValueError where the
+    overrides are not a mapping of regexes that compile to mappings."""
+    dynamic = config.get("dynamic") or {}
+    if not isinstance(dynamic, dict) or not all(isinstance(v, dict) for v in dynamic.values()):
+        raise ValueError(f"dynamic {dynamic!r}")
+    try:
+        return [(re.compile(key.removeprefix("+:")).match, override) for key, override in dynamic.items()
+                if not key.startswith("-:")]
+    except re.error as e:
+        raise ValueError(f"dynamic: a regex that does not compile ({e})") from None
 
 
 def _layout(config: dict) -> GPTQLayout:

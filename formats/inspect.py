@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +12,7 @@ from gguf import GGUFValueType
 from core.errors import InputError
 from formats.compressed_tensors import targets_matcher
 from formats.gguf_file import MAGIC, read_gguf_header
+from formats.gptq import read_dynamic
 from formats.hf import read_json, read_safetensors_header
 
 
@@ -104,12 +104,13 @@ def _quantization(path: Path) -> tuple[str | None, Callable[[str], int] | None]:
     method, bits = config.get("quant_method"), config.get("bits")
     if method in ("gptq", "awq") and bits in (2, 3, 4, 8):
         group = config.get("group_size", -1)
-        dynamic = config.get("dynamic") if isinstance(config.get("dynamic"), dict) else {}
-        overrides = [(re.compile(k.removeprefix("+:")), v.get("bits", bits)) for k, v in dynamic.items()
-                     if isinstance(v, dict) and not k.startswith("-:")]
+        try:
+            overrides = [(matches, v.get("bits", bits)) for matches, v in read_dynamic(config)]
+        except ValueError:  # overrides this does not read
+            return None, None
         mixed = f" (+ {len(overrides)} overrides: {', '.join(sorted({f'int{b}' for _, b in overrides}))})" if overrides else ""
         return f"{method} int{bits} {'channel' if group == -1 else f'g{group}'}{mixed}", \
-            lambda module: next((b for pattern, b in overrides if pattern.match(module)), bits)
+            lambda module: next((b for matches, b in overrides if matches(module)), bits)
     if method == "bitsandbytes" and config.get("load_in_4bit"):
         return f"bitsandbytes {config.get('bnb_4bit_quant_type')}", lambda module: 4
     groups = config.get("config_groups")

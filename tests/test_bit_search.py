@@ -239,6 +239,26 @@ def test_a_mix_of_grids_reads_back_as_its_weights_and_the_engine_runs_it(mixed, 
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
 
 
+def test_inspect_shows_a_mix_whose_override_it_cannot_read_without_a_scheme(mixed, tmp_path):
+    """A ``dynamic`` regex that does not compile: ``quantize inspect`` lists the tensors as it does
+    for any scheme it does not know, and opening the folder is refused in one line."""
+    import shutil
+
+    from formats.inspect import inspect_file
+    from formats.sources import open_checkpoint
+
+    folder = tmp_path / "gptq"
+    shutil.copytree(mixed[0] / "gptq", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["dynamic"] = {"+:model.(layers": {"bits": 8}}
+    (folder / "config.json").write_text(json.dumps(config))
+    summary = inspect_file(folder / "model.safetensors")
+    assert summary.quantization is None and summary.tensors
+    with pytest.raises(InputError) as e:
+        open_checkpoint(folder)
+    assert "a regex that does not compile" in str(e.value) and "\n" not in str(e.value)
+
+
 @pytest.fixture(scope="module")
 def awq_mixed(tiny, tmp_path_factory):
     """AWQ bits auto among 4- and 8-bit grids (asymmetric, AWQ's default), as compressed-tensors, GPTQ (v2, zero-points
