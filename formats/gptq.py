@@ -32,7 +32,7 @@ from core.tensors import QuantizedTensor
 from formats.checkpoint_format import CheckpointFormat, ExportContents, weight_only
 from formats.hf import HFCheckpoint
 from formats.packing import pack_codes, unpack_codes
-from formats.quantized_folder import Planned, QuantizedFolderWriter, fused_name
+from formats.quantized_folder import FUSED, Planned, QuantizedFolderWriter, fused_name, unquantized_linears
 from formats.quantized_layout import Expected, MixedLayout, QuantizedLayout
 
 BITS = (2, 3, 4, 8)
@@ -66,8 +66,11 @@ class GPTQWriter(QuantizedFolderWriter):
             "sym": spec.symmetric, "lm_head": False, "checkpoint_format": "gptq" if spec.symmetric else "gptq_v2",
             "pack_dtype": "int32", "meta": {"quantizer": ["quantbench"], **(settings or {})},
         }
-        if self.module_specs:
-            quantization["dynamic"] = dynamic_overrides(self.module_specs, spec)
+        skipped = [part.removesuffix(".weight") for module in unquantized_linears(source, quantized)
+                   for part, _ in self._parts(f"{module}.weight", tuple(source.shape(f"{module}.weight")))]
+        dynamic = skipped_overrides(skipped) | (dynamic_overrides(self.module_specs, spec) if self.module_specs else {})
+        if dynamic:
+            quantization["dynamic"] = dynamic
         self._open(dest, source, names, quantized, quantization)
         (self.folder / "quantize_config.json").write_text(json.dumps(quantization, indent=2) + "\n")
 
@@ -122,11 +125,33 @@ def dynamic_overrides(module_specs: dict[str, QuantSpec], base: QuantSpec) -> di
         spec = grids.pop()
         if spec == base:
             continue
-        parent = fused.rpartition(".")[0]
-        leaves = sorted({m.rpartition(".")[2] for m in members} | {fused.rpartition(".")[2]})
-        pattern = re.escape(parent) + r"\." + (leaves[0] if len(leaves) == 1 else "(?:" + "|".join(leaves) + ")") + "$"
-        overrides[f"+:{pattern}"] = {"bits": spec.bits, "group_size": _group_size(spec)}
+        overrides[f"+:{_pattern(fused, members)}"] = {"bits": spec.bits, "group_size": _group_size(spec)}
     return overrides
+
+
+def skipped_overrides(modules: list[str]) -> dict[str, dict]:
+    """GPTQModel's ``-:`` entries for the decoder Linear ``modules`` a variant leaves in 16 bits
+    (its ``ignore`` patterns, or ``bits: auto``'s 16-bit choice): without them GPTQModel looks for
+    their codes and refuses the folder. A product vLLM fuses is named too where all its Linears
+    are left out; where only some are, vLLM cannot load the file (one product, one kernel), and
+    GPTQModel and transformers still can."""
+    items: dict[str, list[str]] = {}
+    for module in modules:
+        items.setdefault(fused_name(module), []).append(module)
+    overrides = {}
+    for fused, members in items.items():
+        whole = set(FUSED.get(fused.rpartition(".")[2], ())) <= {m.rpartition(".")[2] for m in members}
+        overrides[f"-:{_pattern(fused if whole else None, members)}"] = {}
+    return overrides
+
+
+def _pattern(fused: str | None, members) -> str:
+    """A regex matching the Linear ``members`` of one layer by their full names, and the name of
+    the product vLLM fuses them into where ``fused`` is given (GPTQModel matches each Linear's
+    name, vLLM the product's)."""
+    parent = next(iter(members)).rpartition(".")[0]
+    leaves = sorted({m.rpartition(".")[2] for m in members} | ({fused.rpartition(".")[2]} if fused else set()))
+    return re.escape(parent) + r"\." + (leaves[0] if len(leaves) == 1 else "(?:" + "|".join(leaves) + ")") + "$"
 
 
 class GPTQLayout(QuantizedLayout):

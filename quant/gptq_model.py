@@ -11,14 +11,12 @@ than keep them.
 from __future__ import annotations
 
 from dataclasses import replace
-from fnmatch import fnmatchcase
-from typing import Iterator
+from typing import Collection, Iterator
 
 import torch
 
 from calib.layerwise import input_statistics, layers_prefix, linear_groups
 from calib.streaming import LayerStep, skeleton, to_cpu, walk_layers
-from core.errors import InputError
 from core.schemes import QuantSpec
 from formats.hf import HFCheckpoint
 from quant.gptq import GPTQResult, GPTQSettings, gptq_quantize
@@ -29,20 +27,19 @@ def gptq_model(
     windows: torch.Tensor,
     spec: QuantSpec,
     settings: GPTQSettings = GPTQSettings(),
-    targets: list[str] = ("*",),
-    ignore: list[str] = (),
+    modules: Collection[str] | None = None,
     specs: dict[str, QuantSpec] | None = None,
 ) -> Iterator[dict[str, GPTQResult]]:
-    """Quantize the decoder layers' Linear weights whose module names match a ``targets`` pattern
-    and no ``ignore`` pattern (shell-style, e.g. ``*.mlp.*``), yielding each layer's results by
-    weight name (``model.layers.0.self_attn.q_proj.weight``, on the CPU) in layer order, one dict
-    per decoder layer (empty when no module of the layer was chosen). The output head is outside
-    the decoder layers and is never touched. ``specs`` gives weights a grid of their own (by weight
-    name; the rest take ``spec``), as ``bits: auto`` chooses them."""
+    """Quantize the decoder layers' Linear weights of ``modules`` (full module names; all by
+    default), yielding each layer's results by weight name (``model.layers.0.self_attn.q_proj.weight``,
+    on the CPU) in layer order, one dict per decoder layer (empty when no module of the layer was
+    chosen). The output head is outside the decoder layers and is never touched. ``specs`` gives
+    weights a grid of their own (by weight name; the rest take ``spec``), as ``bits: auto`` chooses
+    them."""
     model = skeleton(ckpt)
     prefix = layers_prefix(model)
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith(prefix + ".")]
-    chosen = select_modules(linears, targets, ignore)
+    chosen = set(linears) if modules is None else set(modules) & set(linears)
     for step in walk_layers(ckpt, model, windows):
         yield gptq_layer(step, spec, settings, chosen, specs)
 
@@ -68,12 +65,3 @@ def gptq_layer(step: LayerStep, spec: QuantSpec, settings: GPTQSettings, chosen:
             linear.weight.data = result.tensor.dequantize().to(linear.weight.dtype)  # what later groups and layers see
             results[f"{base}{n}.weight"] = replace(result, tensor=to_cpu(result.tensor))
     return results
-
-
-def select_modules(names: list[str], targets: list[str], ignore: list[str]) -> set[str]:
-    """The module names a pass applies to: matching a target pattern and no ignore pattern. A
-    pattern that matches no module is a mistake worth stopping for."""
-    for pattern in [*targets, *ignore]:
-        if not any(fnmatchcase(n, pattern) for n in names):
-            raise InputError(f"pattern '{pattern}' matches no Linear module of the decoder layers (e.g. '{names[0]}')")
-    return {n for n in names if any(fnmatchcase(n, p) for p in targets) and not any(fnmatchcase(n, p) for p in ignore)}

@@ -14,7 +14,9 @@ estimated, ``sensitivity: fisher``, or measured, ``kld``), as ``type: auto`` doe
 knapsack (quant/knapsack.py) then picks one grid per item with the least summed error whose bits,
 counted as the exports store them (codes, fp16 scales, zero-points when asymmetric: the report's
 bits per weight), fit the budget. An item is a set of Linears vLLM runs as one product (q, k and v;
-gate and up: formats/quantized_folder.py), which must share a grid to load there.
+gate and up: formats/quantized_folder.py), which must share a grid to load there. With the candidate
+``16-bit`` an item may also stay unquantized, at no error and 16 bits a weight: where one product
+costs the model far more than the rest, keeping it whole is what the budget buys best.
 """
 
 from __future__ import annotations
@@ -32,13 +34,20 @@ from formats.quantized_folder import fused_name
 from quant.error import weighted_rounding_error
 from quant.knapsack import cheapest_picks
 from quant.rtn import quantize_rtn
+from recipes.fields import UNQUANTIZED
 from recipes.kld_gains import sensitivity_gains
 
 
-def grid_bits(spec: QuantSpec, shape: tuple[int, int]) -> float:
+Choice = QuantSpec | None  # an item's grid; None: left unquantized (the candidate 16-bit)
+
+
+def grid_bits(spec: Choice, shape: tuple[int, int]) -> float:
     """Bits of a ``[out, in]`` weight on ``spec``'s grid: its codes, an fp16 scale per group (and a
-    zero-point of ``bits`` when asymmetric), as ``QuantizedTensor.bits_per_weight`` counts them."""
+    zero-point of ``bits`` when asymmetric), as ``QuantizedTensor.bits_per_weight`` counts them;
+    16 a weight unquantized."""
     out, n_in = shape
+    if spec is None:
+        return 16.0 * out * n_in
     groups = n_in // spec.group_size if spec.granularity == "group" else 1
     return out * (n_in * spec.bits + groups * (16 + (0 if spec.symmetric else spec.bits)))
 
@@ -51,10 +60,13 @@ def grid_items(modules: list[str]) -> dict[str, list[str]]:
     return dict(items)
 
 
-def item_grids(ckpt, variant, weights: list[str]) -> list[QuantSpec]:
-    """The candidate grids whose groups divide every input size of one item's weights."""
-    fitting = [s for s in variant.weights.grids
-               if s.granularity == "channel" or all(ckpt.shape(n)[1] % s.group_size == 0 for n in weights)]
+def item_grids(ckpt, variant, weights: list[str]) -> list[Choice]:
+    """The candidate grids whose groups divide every input size of one item's weights, smallest
+    first, then None where the item may stay unquantized."""
+    fitting: list[Choice] = [s for s in variant.weights.grids
+                             if s.granularity == "channel" or all(ckpt.shape(n)[1] % s.group_size == 0 for n in weights)]
+    if variant.weights.keeps_16_bit:
+        fitting.append(None)
     if not fitting:
         raise InputError(f"variant '{variant.name}': no candidate grid's group size divides the input size "
                          f"{ckpt.shape(weights[0])[1]} of tensor '{weights[0]}'")
@@ -63,26 +75,27 @@ def item_grids(ckpt, variant, weights: list[str]) -> list[QuantSpec]:
 
 def smallest_grids(ckpt, variant, modules: list[str]) -> dict[str, QuantSpec]:
     """Each weight of the Linear ``modules`` on its smallest grid, as it stays until the search
-    (``searched_grids``) reads the weights; refused in one line when even that mix exceeds the budget."""
+    (``searched_grids``) reads the weights; refused in one line when even that mix exceeds the budget.
+    Weights left unquantized are not in it."""
     items = grid_items(modules)
-    specs: dict[str, QuantSpec] = {}
+    smallest = {}
     for weights in items.values():
         grids = item_grids(ckpt, variant, weights)
-        smallest = min(grids, key=lambda s: sum(grid_bits(s, ckpt.shape(n)) for n in weights))
-        specs |= {n: smallest for n in weights}
-    count = sum(int(np.prod(ckpt.shape(n))) for n in specs)
-    smallest_bits = sum(grid_bits(s, ckpt.shape(n)) for n, s in specs.items())
+        pick = min(grids, key=lambda s: sum(grid_bits(s, ckpt.shape(n)) for n in weights))
+        smallest |= {n: pick for n in weights}
+    count = sum(int(np.prod(ckpt.shape(n))) for n in smallest)
+    smallest_bits = sum(grid_bits(s, ckpt.shape(n)) for n, s in smallest.items())
     if smallest_bits > variant.weights.bpw * count:
         raise InputError(f"variant '{variant.name}': a budget of {variant.weights.bpw:g} bpw is below the smallest mix "
                          f"of its candidates, {smallest_bits / count:.3f} bpw ({smallest_bits / 8e6:.3f} MB)")
-    return specs
+    return {n: s for n, s in smallest.items() if s is not None}
 
 
 def searched_grids(ckpt, variant, modules: list[str], imatrix: dict[str, np.ndarray] | None,
                    windows: torch.Tensor | None, progress: Progress) -> dict[str, QuantSpec]:
     """Each weight of the Linear ``modules`` on the grid the knapsack picks from the importance-weighted
     rounding errors, each item's scaled by its measured KL divergence gain on the calibration
-    ``windows`` unless the weights say ``sensitivity: proxy``."""
+    ``windows`` unless the weights say ``sensitivity: proxy``. Weights left unquantized are not in it."""
     items = grid_items(modules)
     choices = [item_grids(ckpt, variant, weights) for weights in items.values()]
     width = max(len(c) for c in choices)
@@ -94,7 +107,7 @@ def searched_grids(ckpt, variant, modules: list[str], imatrix: dict[str, np.ndar
         costs[i, : len(grids)] = 0.0
         for n in weights:  # each weight read once, rounded on every grid
             weight, importance = ckpt.tensor(n).float(), imatrix.get(n) if imatrix else None
-            costs[i, : len(grids)] += [rounding_error(weight, s, importance, n) for s in grids]
+            costs[i, : len(grids)] += [0.0 if s is None else rounding_error(weight, s, importance, n) for s in grids]
         progress.advance(task)
     progress.remove_task(task)
     sensitivity = variant.weights.sensitivity_used
@@ -110,7 +123,7 @@ def searched_grids(ckpt, variant, modules: list[str], imatrix: dict[str, np.ndar
         costs *= sensitivity_gains(sensitivity, ckpt, proxies, alone, windows, imatrix, progress)[:, None]
     count = sum(int(np.prod(ckpt.shape(n))) for weights in items.values() for n in weights)
     picks = cheapest_picks(costs, sizes, variant.weights.bpw * count)
-    return {n: grids[k] for weights, grids, k in zip(items.values(), choices, picks) for n in weights}
+    return {n: grids[k] for weights, grids, k in zip(items.values(), choices, picks) for n in weights if grids[k] is not None}
 
 
 def rounding_error(weight: torch.Tensor, spec: QuantSpec, importance: np.ndarray | None, name: str) -> float:
@@ -123,11 +136,14 @@ def grid_label(weights) -> str:
     return f"auto {weights.bpw:g} bpw" if weights.searches_bits else weights.spec.label
 
 
-def grid_summary(specs: dict[str, QuantSpec]) -> str:
-    """"int4-g128-sym: 30 tensors, int4-g32-sym: 12": how many Linears each grid holds, most first."""
+def grid_summary(specs: dict[str, QuantSpec], unquantized: int = 0) -> str:
+    """"int4-g128-sym: 30 tensors, int4-g32-sym: 12, 16-bit: 3": how many Linears each grid holds,
+    most first, and how many a search left ``unquantized``."""
     counts: dict[str, int] = defaultdict(int)
     for spec in specs.values():
         counts[spec.label] += 1
+    if unquantized:
+        counts[UNQUANTIZED] = unquantized
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
     return ", ".join(f"{g}: {n} tensors" if i == 0 else f"{g}: {n}" for i, (g, n) in enumerate(ranked))
 

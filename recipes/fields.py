@@ -18,6 +18,9 @@ GRIDS = {f"int{b}-{'channel' if g is None else f'g{g}'}": (b, g) for b in (4, 8)
 # the default candidates: those vLLM's CPU build serves (its only weight-only kernel, CPUWNA16, takes 4-bit codes
 # alone, by any even group size; bench/vllm_interop.py), all of them mixed in one checkpoint
 VLLM_CPU_GRIDS = ("int4-g32", "int4-g64", "int4-g128", "int4-channel")
+# a candidate beside the grids: the Linear left unquantized, 16 bits a weight as the exports store it (every
+# loader takes it, vLLM's CPU build included: a checkpoint of 4- and 16-bit Linears)
+UNQUANTIZED = "16-bit"
 
 
 class Strict(BaseModel):
@@ -42,7 +45,7 @@ class GridWeights(Targeted):
     format: NumberFormat = "int"
     bits: int | str | None = Field(default=None, validate_default=True)  # 2-8, or "auto" (checked below)
     bpw: float | None = Field(default=None, gt=0, le=16)  # bits auto: bits per quantized weight, scales included
-    candidates: list[Literal[tuple(GRIDS)]] | None = Field(default=None, min_length=1)  # type: ignore[valid-type]
+    candidates: list[Literal[(*GRIDS, UNQUANTIZED)]] | None = Field(default=None, min_length=1)  # type: ignore[valid-type]
     # bits auto: rank grids by the proxy alone, or scale each Linear's proxies by the KL divergence it adds
     # alone on the calibration text, measured (kld) or estimated from Fisher diagonals (fisher, the
     # default; recipes/kld_gains.py)
@@ -75,6 +78,8 @@ class GridWeights(Targeted):
             chosen = {"group_size", "granularity"} & self.model_fields_set
             if chosen:
                 raise ValueError(f"bits auto chooses each Linear's grid among candidates: leave out {', '.join(sorted(chosen))}")
+            if self.candidates and set(self.candidates) == {UNQUANTIZED}:
+                raise ValueError(f"bits auto needs an integer grid among its candidates, not only {UNQUANTIZED}")
         elif self.bpw is not None or self.candidates is not None or self.sensitivity is not None:
             raise ValueError("bpw, candidates and sensitivity are for bits auto")
         return self
@@ -94,9 +99,14 @@ class GridWeights(Targeted):
         """The candidate grids of ``bits: auto``, smallest first by bits per weight, or the one grid."""
         if not self.searches_bits:
             return [self.spec]
-        named = [GRIDS[name] for name in self.candidates or VLLM_CPU_GRIDS]
+        named = [GRIDS[name] for name in self.candidates or VLLM_CPU_GRIDS if name != UNQUANTIZED]
         specs = {self._grid(b, "channel" if g is None else "group", g) for b, g in named}
         return sorted(specs, key=lambda s: (s.bits, -(s.group_size or 1 << 30)))
+
+    @property
+    def keeps_16_bit(self) -> bool:
+        """Whether ``bits: auto`` may leave a Linear unquantized (the candidate ``16-bit``)."""
+        return UNQUANTIZED in (self.candidates or ())
 
     @property
     def imatrix(self) -> bool:

@@ -41,6 +41,7 @@ MIXED_BITS = ["int4-g128", "int8-g128"]
                                                              "use compressed-tensors or gptq"),
     ({"method": "awq", "bits": "auto", "bpw": 5}, ["awq"], "a awq export holds one grid, not the mix bits auto chooses"),
     ({"method": "awq", "format": "fp8_e4m3"}, [], "AWQ searches its scales for integer grids: format must be int"),
+    ({"method": "rtn", "bits": "auto", "bpw": 5, "candidates": ["16-bit"]}, [], "an integer grid among its candidates, not only 16-bit"),
 ])
 def test_recipe_errors_name_the_field(tmp_path, weights, exports, message):
     variant = {"name": "v", "weights": weights, "exports": exports}
@@ -100,14 +101,34 @@ def test_the_budget_goes_where_the_calibration_inputs_are_large(tiny):
     when the budget buys exactly one product's upgrade."""
     ckpt, imatrix, windows = tiny
     loud = "model.layers.2.mlp.down_proj.weight"
-    imatrix = imatrix | {loud: imatrix[loud] * 1000.0}
-    variant = _variant(16, MIXED_BITS)  # any budget: the smallest grids are what the budget below adds to
-    base = smallest_grids(ckpt, variant, ckpt.linear_modules)
-    count = sum(np.prod(ckpt.shape(n)) for n in base)
-    upgrade = grid_bits(variant.weights.grids[1], ckpt.shape(loud)) - grid_bits(variant.weights.grids[0], ckpt.shape(loud))
-    variant = _variant((_bpw(ckpt, base) * count + upgrade) / count + 1e-9, MIXED_BITS)
+    variant, imatrix = _loud_budget(ckpt, imatrix, MIXED_BITS, loud)
     specs = _searched(ckpt, variant, imatrix)
     assert [n for n, s in specs.items() if s.bits == 8] == [loud]
+
+
+def _loud_budget(ckpt, imatrix, candidates: list[str], loud: str):
+    """A variant whose budget buys exactly ``loud``'s upgrade from the smallest grid to the next
+    candidate, and an importance matrix where ``loud``'s inputs are 1000 times as large as measured."""
+    variant = _variant(16, candidates)  # any budget: the smallest grids are what the budget below adds to
+    base = smallest_grids(ckpt, variant, ckpt.linear_modules)
+    count = sum(np.prod(ckpt.shape(n)) for n in base)
+    upgrade = grid_bits(None if "16-bit" in candidates else variant.weights.grids[1], ckpt.shape(loud)) \
+        - grid_bits(variant.weights.grids[0], ckpt.shape(loud))
+    return _variant((_bpw(ckpt, base) * count + upgrade) / count + 1e-9, candidates), imatrix | {loud: imatrix[loud] * 1000.0}
+
+
+@pytest.mark.check
+def test_the_16_bit_candidate_leaves_the_costliest_product_unquantized(tiny):
+    """With ``16-bit`` among the candidates, the budget that buys one product's 16 bits goes to the
+    product whose inputs are loudest, which the search then leaves out of the quantized grids."""
+    from recipes.bit_search import grid_summary
+
+    ckpt, imatrix, _ = tiny
+    loud = "model.layers.2.mlp.down_proj.weight"
+    variant, imatrix = _loud_budget(ckpt, imatrix, ["int4-g128", "16-bit"], loud)
+    specs = _searched(ckpt, variant, imatrix)
+    assert set(ckpt.linear_modules) - {n.removesuffix(".weight") for n in specs} == {loud.removesuffix(".weight")}
+    assert grid_summary(specs, 1) == "int4-g128-sym: 41 tensors, 16-bit: 1"
 
 
 @pytest.mark.check
@@ -234,6 +255,47 @@ def test_a_mix_of_grids_reads_back_as_its_weights_and_the_engine_runs_it(mixed, 
         kinds[source] = {linear.kind for layer in llm.engine.model.layers for m in ("qkv", "o", "gate_up", "down")
                          for linear in layer[m]}
     assert len(kinds[export]) >= 2 and kinds["safetensors"] == {"dense"}, kinds
+    assert [o.token_ids for o in runs[export]] == [o.token_ids for o in runs["safetensors"]]
+    for a, b in zip(runs[export], runs["safetensors"]):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def with_16_bit(tiny, tmp_path_factory):
+    """RTN bits auto between int4 g128 and 16 bits, whose budget buys layer 2's down_proj its 16 bits,
+    written as compressed-tensors, GPTQ and float safetensors."""
+    ckpt, imatrix, windows = tiny
+    loud = "model.layers.2.mlp.down_proj.weight"
+    variant, imatrix = _loud_budget(ckpt, imatrix, ["int4-g128", "16-bit"], loud)
+    variant = variant.model_copy(update={"exports": ["safetensors", "compressed-tensors", "gptq"]})
+    out = tmp_path_factory.mktemp("bits16")
+    build_variant(ckpt, variant, out, imatrix=imatrix, calibration=windows)
+    return out / variant.name, loud
+
+
+@pytest.mark.parametrize("export", ["compressed-tensors", "gptq"])
+def test_a_mix_of_4_and_16_bit_linears_reads_back_and_the_engine_runs_it(with_16_bit, export):
+    """The Linear the search left in 16 bits is read back as a float weight (compressed-tensors'
+    ignore list, GPTQ's ``-:`` override), the others as their codes, and the engine runs the file
+    as it runs the variant's dense export."""
+    from formats.sources import open_checkpoint
+    from helpers.engine import prompts_from_text
+    from runner import LLM, SamplingParams
+
+    folder, loud = with_16_bit
+    ckpt = open_checkpoint(folder / export)
+    ours = load_file(str(folder / "safetensors" / "model.safetensors"))
+    assert loud not in ckpt.quantized and len(ckpt.quantized) == 7 * 6 - 1
+    for name in [*ckpt.quantized, loud]:
+        assert torch.equal(ckpt.tensor(name).half(), ours[name].half()), name
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    runs = {}
+    for source in (export, "safetensors"):
+        llm = LLM(folder / source, dtype="fp32", kv_memory=16 * 2**20)
+        runs[source] = llm.generate(prompts_from_text()[:4], params)
+        if source == export:
+            kinds = [linear.kind for linear in llm.engine.model.layers[2]["down"]]
+            assert kinds == ["dense"] and llm.engine.model.layers[1]["down"][0].kind != "dense", kinds
     assert [o.token_ids for o in runs[export]] == [o.token_ids for o in runs["safetensors"]]
     for a, b in zip(runs[export], runs["safetensors"]):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)

@@ -34,6 +34,20 @@ def test_three_bit_codes_straddle_words_as_autogptq_packs_them(tmp_path):
 
 
 @needs_gptqmodel
+def test_gptqmodel_reads_a_gptq_file_whose_ignored_linears_stay_16_bit(tmp_path):
+    """Linears a variant leaves unquantized are named in GPTQModel's ``dynamic`` as ``-:`` overrides:
+    without them GPTQModel looks for their codes and refuses the folder. k_proj alone is part of a
+    product vLLM fuses (qkv_proj), so its override names only the Linear."""
+    weights = {"method": "rtn", "bits": 4, "granularity": "group", "group_size": 64, "ignore": ["*.mlp.down_proj", "*.k_proj"]}
+    variant = Variant.model_validate({"name": "int4", "weights": weights, "exports": ["safetensors", "gptq"]})
+    build_variant(HFCheckpoint.open(TINY), variant, tmp_path)
+    dynamic = json.loads((tmp_path / "int4" / "gptq" / "quantize_config.json").read_text())["dynamic"]
+    assert dynamic["-:model\\.layers\\.3\\.mlp\\.down_proj$"] == {} and len(dynamic) == 2 * 6
+    assert "-:model\\.layers\\.3\\.self_attn\\.k_proj$" in dynamic  # not qkv_proj: q and v are quantized
+    assert_read_back_exactly(read_back(tmp_path / "int4", "gptq"), modules=5 * 6)
+
+
+@needs_gptqmodel
 def test_gptqmodel_reads_our_awq_file_back_with_its_folded_norms(small_run):
     out, _ = small_run
     config = json.loads((out / "awq-int4-g64" / "awq" / "config.json").read_text())["quantization_config"]

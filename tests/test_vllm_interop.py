@@ -6,6 +6,7 @@ the same files."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ def work(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def rows(work) -> dict:
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "vllm_interop.py"), "--json", "--work", str(work),
-                           "--only", "w4a16-g128,awq-w4-g128,w8a8-int8,mixed-w4"], capture_output=True, text=True, timeout=1800)
+                           "--only", "w4a16-g128,awq-w4-g128,w8a8-int8,mixed-w4,mixed-w4-16"], capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout)
     original = rows["original (float16)"]
@@ -60,7 +61,8 @@ def test_vllm_runs_our_w8a8_export_near_its_unquantized_activations(rows):
     assert row["prompt_logprob_max_diff"] < 0.5, row  # vLLM quantizes activations per token; the reference does not
 
 
-@pytest.mark.parametrize("export", ["mixed-w4 compressed-tensors", "mixed-w4 gptq"])
+@pytest.mark.parametrize("export", ["mixed-w4 compressed-tensors", "mixed-w4 gptq",
+                                    "mixed-w4-16 compressed-tensors", "mixed-w4-16 gptq"])
 def test_vllm_gives_transformers_tokens_on_a_mix_of_grids(rows, export):
     """Greedy tokens equal, or parted where transformers' own top two were within 0.02 nats (float16
     rounding decides a near tie either way). On this mix (4.3 bpw: 32 Linears by groups of 64, 10 by
@@ -80,3 +82,16 @@ def test_the_mixed_exports_hold_several_grids(rows, work):
     groups = json.loads((folder / "compressed-tensors" / "config.json").read_text())["quantization_config"]["config_groups"]
     assert len(groups) >= 2, groups
     assert json.loads((folder / "gptq" / "quantize_config.json").read_text())["dynamic"]
+
+
+def test_the_mixed_bit_exports_hold_4_and_16_bit_linears(rows, work):
+    """What vLLM loaded above as ``mixed-w4-16``: 4-bit Linears, and decoder Linears left in 16 bits,
+    named in compressed-tensors' ignore list and as GPTQModel's ``-:`` overrides (on 2026-12-06: 6 of
+    42, layer 0's attention and MLP output and layer 1's attention output)."""
+    folder = work / "out" / "mixed-w4-16"
+    config = json.loads((folder / "compressed-tensors" / "config.json").read_text())["quantization_config"]
+    kept = [m for m in config["ignore"] if m != "lm_head"]
+    assert kept and sum(len(g["targets"]) for g in config["config_groups"].values()) + len(kept) == 42, config
+    dynamic = json.loads((folder / "gptq" / "quantize_config.json").read_text())["dynamic"]
+    skipped = [key for key in dynamic if key.startswith("-:")]
+    assert all(any(re.match(key[2:], m) for key in skipped) for m in kept), (kept, dynamic)

@@ -13,6 +13,7 @@ this one, in the order a recipe's error lists the methods.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -28,7 +29,6 @@ from formats.gguf import architecture_of, gguf_name, gguf_order
 from formats.hf import HFCheckpoint
 from formats.registry import FORMATS
 from quant.ggml import encode
-from quant.gptq_model import select_modules
 from recipes.bit_search import grid_summary, searched_grids, smallest_grids
 
 Imatrix = dict[str, np.ndarray]  # HF weight name -> importance per input column
@@ -43,6 +43,11 @@ class Plan:
     quantized: set[str] = field(default_factory=set)  # grid methods: the weights they quantize
     specs: dict[str, QuantSpec] = field(default_factory=dict)  # bits auto: each quantized weight's own grid
     summary: str = ""  # what a search chose (gguf's type: auto: "Q4_K: 28 tensors, Q5_K: 7"), for the report
+
+    @property
+    def modules(self) -> set[str]:
+        """The Linear modules whose weights are quantized."""
+        return {n.removesuffix(".weight") for n in self.quantized}
 
     def spec(self, name: str, weights) -> QuantSpec:
         """The grid of the quantized weight ``name``: its own where a search chose one, else the weights'."""
@@ -133,6 +138,15 @@ def chosen_modules(ckpt: HFCheckpoint, weights) -> list[str]:
     return [n for n in linears if n in chosen]
 
 
+def select_modules(names: list[str], targets: list[str], ignore: list[str]) -> set[str]:
+    """The module names a pass applies to: matching a target pattern and no ignore pattern. A
+    pattern that matches no module is a mistake worth stopping for."""
+    for pattern in [*targets, *ignore]:
+        if not any(fnmatchcase(n, pattern) for n in names):
+            raise InputError(f"pattern '{pattern}' matches no Linear module of the decoder layers (e.g. '{names[0]}')")
+    return {n for n in names if any(fnmatchcase(n, p) for p in targets) and not any(fnmatchcase(n, p) for p in ignore)}
+
+
 def finite(ckpt: HFCheckpoint, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as it is; the quantizers refuse NaN and Inf themselves (naming the tensor), so
     only tensors passed through need this scan (``all_finite``: no mask of an 8B embedding, 525 MB)."""
@@ -155,8 +169,9 @@ class SearchesBits:
                progress) -> Plan:
         if not variant.weights.searches_bits:
             return plan
-        specs = searched_grids(ckpt, variant, _targeted(ckpt, variant), imatrix, windows, progress)
-        return Plan(plan.names, quantized=plan.quantized, specs=specs, summary=grid_summary(specs))
+        modules = _targeted(ckpt, variant)
+        specs = searched_grids(ckpt, variant, modules, imatrix, windows, progress)
+        return Plan(plan.names, quantized=set(specs), specs=specs, summary=grid_summary(specs, len(modules) - len(specs)))
 
 
 def _targeted(ckpt: HFCheckpoint, variant) -> list[str]:

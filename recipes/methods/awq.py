@@ -52,8 +52,8 @@ class AWQ(SearchesBits, WeightMethod):
 
     def fit(self, ckpt, variant, windows, report=None, checkpoint=None, plan=None):
         w = variant.weights
-        specs = plan.specs if plan is not None else {}
-        return awq_model(ckpt, windows, w.spec, w.settings, modules=chosen_modules(ckpt, w), specs=specs)
+        specs, modules = (plan.specs, plan.modules) if plan is not None else ({}, chosen_modules(ckpt, w))
+        return awq_model(ckpt, windows, w.spec, w.settings, modules=modules, specs=specs)
 
     def describe(self, weights) -> str:
         return f"awq {grid_label(weights)}"

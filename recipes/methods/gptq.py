@@ -44,8 +44,8 @@ class GPTQ(SearchesBits, WeightMethod):
 
     def fit(self, ckpt, variant, windows, report=None, checkpoint=None, plan=None):
         w = variant.weights
-        specs = plan.specs if plan is not None else {}
-        for results in gptq_model(ckpt, windows, w.spec, w.settings, w.targets, w.ignore, specs):
+        specs, modules = (plan.specs, plan.modules) if plan is not None else ({}, chosen_modules(ckpt, w))
+        for results in gptq_model(ckpt, windows, w.spec, w.settings, modules, specs):
             yield LayerResult({n: r.tensor for n, r in results.items()}, {},
                               {n.removesuffix(".weight"): r.output_error for n, r in results.items()})
             del results  # not held while the next layer is fitted (an 8B layer's codes: 220 MB)
