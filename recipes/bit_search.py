@@ -1,5 +1,5 @@
 """``bits: auto``: each Linear's integer grid (bits and group size) chosen so that the model loses
-least within a budget of bits per quantized weight, for the checkpoints vLLM loads.
+least within a budget of bits per weight, for the checkpoints vLLM loads.
 
 Each Linear is rounded to nearest on every candidate grid (recipes/fields.py: ``GRIDS``; by default
 the 4-bit grids vLLM's CPU build serves) and its rounding error weighed by the importance matrix of

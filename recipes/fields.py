@@ -44,7 +44,7 @@ class GridWeights(Targeted):
 
     format: NumberFormat = "int"
     bits: int | str | None = Field(default=None, validate_default=True)  # 2-8, or "auto" (checked below)
-    bpw: float | None = Field(default=None, gt=0, le=16)  # bits auto: bits per quantized weight, scales included
+    bpw: float | None = Field(default=None, gt=0, le=16)  # bits auto: bits per weight of the targeted Linears, scales included (16 where one stays unquantized)
     candidates: list[Literal[(*GRIDS, UNQUANTIZED)]] | None = Field(default=None, min_length=1)  # type: ignore[valid-type]
     # bits auto: rank grids by the proxy alone, or scale each Linear's proxies by the KL divergence it adds
     # alone on the calibration text, measured (kld) or estimated from Fisher diagonals (fisher, the
@@ -74,7 +74,7 @@ class GridWeights(Targeted):
             if self.format != "int":
                 raise ValueError("bits auto chooses among integer grids: format must be int")
             if self.bpw is None:
-                raise ValueError("bits auto needs a budget: bpw (bits per quantized weight, scales included)")
+                raise ValueError("bits auto needs a budget: bpw (bits per weight of the targeted Linears, scales included)")
             chosen = {"group_size", "granularity"} & self.model_fields_set
             if chosen:
                 raise ValueError(f"bits auto chooses each Linear's grid among candidates: leave out {', '.join(sorted(chosen))}")
