@@ -106,7 +106,7 @@ def test_the_budget_goes_where_the_calibration_inputs_are_large(tiny):
     assert [n for n, s in specs.items() if s.bits == 8] == [loud]
 
 
-def _loud_budget(ckpt, imatrix, candidates: list[str], loud: str):
+def _loud_budget(ckpt, imatrix, candidates: list[str], loud: str, exports: tuple[str, ...] = ()):
     """A variant whose budget buys exactly ``loud``'s upgrade from the smallest grid to the next
     candidate, and an importance matrix where ``loud``'s inputs are 1000 times as large as measured."""
     variant = _variant(16, candidates)  # any budget: the smallest grids are what the budget below adds to
@@ -114,7 +114,8 @@ def _loud_budget(ckpt, imatrix, candidates: list[str], loud: str):
     count = sum(np.prod(ckpt.shape(n)) for n in base)
     upgrade = grid_bits(None if "16-bit" in candidates else variant.weights.grids[1], ckpt.shape(loud)) \
         - grid_bits(variant.weights.grids[0], ckpt.shape(loud))
-    return _variant((_bpw(ckpt, base) * count + upgrade) / count + 1e-9, candidates), imatrix | {loud: imatrix[loud] * 1000.0}
+    return (_variant((_bpw(ckpt, base) * count + upgrade) / count + 1e-9, candidates, exports=exports),
+            imatrix | {loud: imatrix[loud] * 1000.0})
 
 
 @pytest.mark.check
@@ -266,8 +267,7 @@ def with_16_bit(tiny, tmp_path_factory):
     written as compressed-tensors, GPTQ and float safetensors."""
     ckpt, imatrix, windows = tiny
     loud = "model.layers.2.mlp.down_proj.weight"
-    variant, imatrix = _loud_budget(ckpt, imatrix, ["int4-g128", "16-bit"], loud)
-    variant = variant.model_copy(update={"exports": ["safetensors", "compressed-tensors", "gptq"]})
+    variant, imatrix = _loud_budget(ckpt, imatrix, ["int4-g128", "16-bit"], loud, ("safetensors", "compressed-tensors", "gptq"))
     out = tmp_path_factory.mktemp("bits16")
     build_variant(ckpt, variant, out, imatrix=imatrix, calibration=windows)
     return out / variant.name, loud

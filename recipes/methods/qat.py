@@ -119,8 +119,7 @@ class QAT(WeightMethod):
                 report(f"{phase} step {step + 1}/{steps} loss {loss:.3g}")
 
         plan = self.plan(ckpt, variant, False)
-        modules = [n.removesuffix(".weight") for n in plan.quantized]
-        trained = qat_model(ckpt, windows, w.grid, w.settings, modules, on_step, checkpoint)
+        trained = qat_model(ckpt, windows, w.grid, w.settings, plan.modules, on_step, checkpoint)
         if w.gguf is None:
             return trained
         # the trained blocks as they are; the rest (norms the end-to-end phase trained, weights of
