@@ -39,7 +39,7 @@ test: $(VENV)/.test
 	bash bench/anchors/setup.sh vllm
 	bash bench/anchors/setup.sh llmcompressor
 	bash bench/anchors/setup.sh chromium
-	$(BIN)/python -m pytest tests --durations=30
+	$(BIN)/python -m pytest tests
 
 clean:
 	rm -rf $(VENV) runs

@@ -32,7 +32,7 @@ from core.tensors import QuantizedTensor
 from formats.checkpoint_format import CheckpointFormat, ExportContents, weight_only
 from formats.hf import HFCheckpoint
 from formats.packing import pack_codes, unpack_codes
-from formats.quantized_folder import FUSED, Planned, QuantizedFolderWriter, fused_name, unquantized_linears
+from formats.quantized_folder import FUSED, Planned, QuantizedFolderWriter, by_product, unquantized_linears
 from formats.quantized_layout import Expected, MixedLayout, QuantizedLayout
 
 BITS = (2, 3, 4, 8)
@@ -68,7 +68,7 @@ class GPTQWriter(QuantizedFolderWriter):
         }
         skipped = [part.removesuffix(".weight") for module in unquantized_linears(source, quantized)
                    for part, _ in self._parts(f"{module}.weight", tuple(source.shape(f"{module}.weight")))]
-        dynamic = skipped_overrides(skipped) | (dynamic_overrides(self.module_specs, spec) if self.module_specs else {})
+        dynamic = skipped_overrides(skipped) | dynamic_overrides(self.module_specs, spec)
         if dynamic:
             quantization["dynamic"] = dynamic
         self._open(dest, source, names, quantized, quantization)
@@ -114,12 +114,9 @@ def dynamic_overrides(module_specs: dict[str, QuantSpec], base: QuantSpec) -> di
     grid) not on the ``base`` grid, a ``+:`` regex over its module name and its own ``bits`` and
     ``group_size``. GPTQModel matches the regex against each Linear's name, vLLM against the
     product's (``qkv_proj``), so the regex takes both."""
-    items: dict[str, dict[str, QuantSpec]] = {}
-    for module, spec in module_specs.items():
-        items.setdefault(fused_name(module), {})[module] = spec
     overrides = {}
-    for fused, members in items.items():
-        grids = set(members.values())
+    for fused, members in by_product(module_specs).items():
+        grids = {module_specs[m] for m in members}
         if len(grids) > 1:
             raise InputError(f"gptq export: {', '.join(members)} run as one product in vLLM but are on different grids")
         spec = grids.pop()
@@ -135,11 +132,8 @@ def skipped_overrides(modules: list[str]) -> dict[str, dict]:
     their codes and refuses the folder. A product vLLM fuses is named too where all its Linears
     are left out; where only some are, vLLM cannot load the file (one product, one kernel), and
     GPTQModel and transformers still can."""
-    items: dict[str, list[str]] = {}
-    for module in modules:
-        items.setdefault(fused_name(module), []).append(module)
     overrides = {}
-    for fused, members in items.items():
+    for fused, members in by_product(modules).items():
         whole = set(FUSED.get(fused.rpartition(".")[2], ())) <= {m.rpartition(".")[2] for m in members}
         overrides[f"-:{_pattern(fused if whole else None, members)}"] = {}
     return overrides

@@ -28,6 +28,14 @@ def fused_name(module: str) -> str:
     return next((f"{parent}.{fused}" for fused, parts in FUSED.items() if leaf in parts), module)
 
 
+def by_product(modules) -> dict[str, list[str]]:
+    """The Linear ``modules`` grouped by the product vLLM runs them as (``fused_name``), in their order."""
+    products: dict[str, list[str]] = {}
+    for module in modules:
+        products.setdefault(fused_name(module), []).append(module)
+    return products
+
+
 def unquantized_linears(source: HFCheckpoint, quantized: set[str]) -> list[str]:
     """The decoder Linear modules a variant leaves in 16 bits, which a config must name so that
     loaders do not look for codes there."""

@@ -30,7 +30,7 @@ from rich.progress import Progress
 from core.errors import InputError
 from core.schemes import QuantSpec
 from core.tensors import QuantizedTensor
-from formats.quantized_folder import fused_name
+from formats.quantized_folder import by_product
 from quant.error import weighted_rounding_error
 from quant.knapsack import cheapest_picks
 from quant.rtn import quantize_rtn
@@ -54,10 +54,7 @@ def grid_bits(spec: Choice, shape: tuple[int, int]) -> float:
 
 def grid_items(modules: list[str]) -> dict[str, list[str]]:
     """The weights of the Linear ``modules``, by the product vLLM runs them as, in their order."""
-    items: dict[str, list[str]] = defaultdict(list)
-    for module in modules:
-        items[fused_name(module)].append(f"{module}.weight")
-    return dict(items)
+    return {product: [f"{m}.weight" for m in members] for product, members in by_product(modules).items()}
 
 
 def item_grids(ckpt, variant, weights: list[str]) -> list[Choice]:
