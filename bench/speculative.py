@@ -159,7 +159,7 @@ def step_seconds(model, pool, blocks, block_size: int, device, batch: int, guess
         blocks.grow(seq, context + guesses)
         seq.num_computed, seq.draft_ids = context - 1, [5] * guesses
         seqs.append(seq)
-    step, _ = layout([(s, 1 + guesses) for s in seqs], block_size, device, 1 + guesses)
+    step, _, _ = layout([(s, 1 + guesses) for s in seqs], block_size, device, 1 + guesses)
     times = []
     for _ in range(8):
         start = time.perf_counter()

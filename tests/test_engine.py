@@ -323,3 +323,38 @@ def test_enforce_eager_reaches_the_engine_from_the_commands(monkeypatch, capsys,
     assert (graphs is None) == (not torch.cuda.is_available())  # a CPU never runs graphs
     code, out, _ = quantize(monkeypatch, capsys, "serve", "--help")
     assert code == 0 and "--enforce-eager" in out
+
+
+@pytest.mark.parametrize("engine", [
+    pytest.param({}, marks=pytest.mark.check),
+    {"max_num_batched_tokens": 24, "block_size": 16},  # prompts in chunks, several prompts a step
+    {"kv_memory": 12, "block_size": 16, "max_model_len": 128},  # 12 blocks for 6 prompts: preemptions
+])
+def test_prompt_logprobs_are_transformers_whatever_the_chunks_cache_and_preemptions(prompts, engine):
+    from transformers import AutoModelForCausalLM
+
+    from formats.hf import HFCheckpoint
+    from runner.engine.kv_cache import bytes_per_token
+
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    if "kv_memory" in engine:  # in blocks
+        engine = engine | {"kv_memory": engine["kv_memory"] * 16 * bytes_per_token(HFCheckpoint.open(TINY).arch, "fp32")}
+    llm = LLM(TINY, dtype="fp32", **{"kv_memory": 16 * 2**20, **engine})
+    asked = shared_start_prompts()[:3] + prompts[:4]  # prompts[3] is one token: nothing to score
+    llm.generate(asked[:1], SamplingParams(max_tokens=2, temperature=0))  # its blocks now cached: still scored in full
+    outs = llm.generate(asked, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=3))
+    plain = llm.generate(asked, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for ids, out, reference in zip(asked, outs, plain):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1], -1)
+        assert out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+        expected = logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(out.prompt_logprobs[1:]), expected, atol=1e-4, rtol=0)
+        values, tops = logp.topk(3, -1)
+        for position, top in enumerate(out.prompt_top_logprobs[1:]):
+            assert list(top) == tops[position].tolist()
+            torch.testing.assert_close(torch.tensor(list(top.values())), values[position], atol=1e-4, rtol=0)
+        assert out.token_ids == reference.token_ids and reference.prompt_logprobs is None
+    if "kv_memory" in engine:
+        assert llm.engine.scheduler.preemptions > 0
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks

@@ -2,7 +2,9 @@
 slot, the decode and prefill attention batches, and the rows whose logits are sampled.
 
 A sequence verifying draft tokens (speculative decoding) runs them after its own last token, and
-has every one of those rows sampled: the target's next-token distribution after each. Chunks of up
+has every one of those rows sampled: the target's next-token distribution after each. A sequence
+that asks for its prompt's log-probabilities has its prompt rows' logits computed too, after every
+sampled row, so the sampled rows keep their places. Chunks of up
 to ``decode_rows`` tokens (one; with speculation, a verify step's last token and guesses) attend as
 decode rows, by blocks as a decode token does; longer ones (prompts) as prefill chunks.
 """
@@ -15,12 +17,13 @@ from runner.engine.model import DecodeBatch, PrefillBatch, Step
 from runner.engine.sequence import Sequence
 
 
-def layout(scheduled: list[tuple[Sequence, int]], bs: int, dev: torch.device,
-           decode_rows: int = 1) -> tuple[Step, list[Sequence]]:
-    """``scheduled``: (sequence, tokens to compute, its draft tokens included); returns the step
-    and the sequences sampled in it (those whose computed tokens reach their end), in row order."""
+def layout(scheduled: list[tuple[Sequence, int]], bs: int, dev: torch.device, decode_rows: int = 1,
+           score_prompts: bool = False) -> tuple[Step, list[Sequence], list[tuple[Sequence, range]]]:
+    """``scheduled``: (sequence, tokens to compute, its draft tokens included); returns the step,
+    the sequences sampled in it (those whose computed tokens reach their end) in row order, and
+    with ``score_prompts`` the prompt positions whose logits follow the sampled rows', per sequence."""
     tokens, positions, owners, tables = [], [], [], []
-    sample_rows, sampled = [], []
+    sample_rows, sampled, prompt_rows, scored = [], [], [], []
     decode, prefill = [], []
     for i, (seq, n) in enumerate(scheduled):
         start, drafts = len(tokens), seq.draft_ids
@@ -36,6 +39,11 @@ def layout(scheduled: list[tuple[Sequence, int]], bs: int, dev: torch.device,
         if seq.num_computed + own == seq.num_tokens:
             sample_rows += range(len(tokens) - 1 - len(drafts), len(tokens))
             sampled.append(seq)
+        wanted = seq.prompt_rows if score_prompts else range(0)
+        here = range(max(wanted.start, seq.num_computed), min(wanted.stop, seq.num_computed + own))
+        if here:
+            prompt_rows += range(start + here.start - seq.num_computed, start + here.stop - seq.num_computed)
+            scored.append((seq, here))
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
     pos = torch.tensor(positions, dtype=torch.long, device=dev)
@@ -43,8 +51,8 @@ def layout(scheduled: list[tuple[Sequence, int]], bs: int, dev: torch.device,
     slots = table[owner, pos // bs] * bs + pos % bs
     step = Step(torch.tensor(tokens, dtype=torch.long, device=dev), pos, slots,
                 _decode_batch(decode, table, bs, dev), _prefill_batch(prefill, scheduled, table, bs, dev),
-                torch.tensor(sample_rows, dtype=torch.long, device=dev))
-    return step, sampled
+                torch.tensor(sample_rows + prompt_rows, dtype=torch.long, device=dev))
+    return step, sampled, scored
 
 
 def _decode_batch(decode: list[tuple[int, int, int, int]], table: torch.Tensor, bs: int, dev) -> DecodeBatch | None:

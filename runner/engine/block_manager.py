@@ -70,8 +70,9 @@ class BlockManager:
 
     def match(self, seq: Sequence) -> list[int]:
         """The cached blocks that hold the start of a sequence with nothing computed yet, leaving at
-        least one token to compute (the step that samples needs its logits)."""
-        if not self.prefix_caching:
+        least one token to compute (the step that samples needs its logits). A sequence that asks
+        for its prompt's log-probabilities computes all of it: the cache holds keys and values, not logits."""
+        if not self.prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         found, count = [], (seq.num_tokens - 1) // self.block_size
         self._key_blocks(seq, count)

@@ -160,12 +160,17 @@ class Engine:
         now = time.perf_counter()
         for seq, _ in scheduled:
             seq.first_scheduled = seq.first_scheduled or now
+        scored: list[tuple[Sequence, range]] = []
         if self.decoder is not None and _decodes_only(scheduled):
             sampled = [seq for seq, _ in scheduled]
             logits = self.decoder.run(sampled)
         else:
-            step, sampled = layout(scheduled, self.block_size, self.device, self._decode_rows)
+            step, sampled, scored = layout(scheduled, self.block_size, self.device, self._decode_rows, score_prompts=True)
             logits = self.model.forward(step, self.pool)
+        if scored:
+            rows = sum(1 + len(seq.draft_ids) for seq in sampled)
+            _score_prompts(logits[rows:], scored)
+            logits = logits[:rows]
         for seq, n in scheduled:
             seq.num_computed += n - len(seq.draft_ids)  # guesses' keys count once accepted (below)
         new_tokens = self._choose(logits, sampled)
@@ -272,6 +277,20 @@ def _logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], asked: l
         return chosen, [None] * len(tokens)
     values, ids = (t.tolist() for t in logp.topk(most, -1))
     return chosen, [dict(zip(i[:a], v[:a])) if a else None for i, v, a in zip(ids, values, asked)]
+
+
+def _score_prompts(logits: torch.Tensor, scored: list[tuple[Sequence, range]]) -> None:
+    """Each scored sequence's prompt log-probabilities at ``positions`` (the logits' rows, in
+    order): the log-probability of the prompt token after each position, and its likeliest tokens."""
+    targets = [seq.prompt_ids[p + 1] for seq, positions in scored for p in positions]
+    asked = [seq.params.prompt_logprobs for seq, positions in scored for _ in positions]
+    chosen, top = _logprobs(logits, list(range(len(targets))), targets, asked)
+    at = 0
+    for seq, positions in scored:
+        seq.prompt_logprobs += chosen[at : at + len(positions)]
+        if seq.params.prompt_logprobs:
+            seq.prompt_top_logprobs += top[at : at + len(positions)]
+        at += len(positions)
 
 
 def parse_memory(text: str) -> float | int:

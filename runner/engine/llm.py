@@ -23,6 +23,10 @@ class RequestOutput:
     logprobs: list[float] | None  # of each chosen token, where asked for
     top_logprobs: list[dict[int, float]] | None  # the likeliest tokens at each step, where more than 0 asked for
     metrics: Metrics
+    # with prompt_logprobs: each prompt token's log-probability (None for the first, which nothing
+    # predicts), and its position's likeliest tokens where more than 0 asked for
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
 
 class LLM:
@@ -93,9 +97,12 @@ class LLM:
         return finished
 
     def output(self, seq: Sequence) -> RequestOutput:
+        scored = seq.params.prompt_logprobs
         return RequestOutput(seq.prompt_ids, seq.text, seq.output_ids, seq.finish_reason,
                              seq.logprobs if seq.params.logprobs is not None else None,
-                             seq.top_logprobs if seq.params.logprobs else None, seq.metrics)
+                             seq.top_logprobs if seq.params.logprobs else None, seq.metrics,
+                             [None, *seq.prompt_logprobs] if scored is not None else None,
+                             [None, *seq.prompt_top_logprobs] if scored else None)
 
     @staticmethod
     def _cut(seq: Sequence, new: int) -> bool:

@@ -32,6 +32,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; N >= 0: the chosen token's log-probability and the N likeliest's
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (vLLM's name)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,6 +48,8 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), "stop: must be non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids: must be token ids"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), f"logprobs {self.logprobs}: must be 0 or more"),
+            (self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
+             f"prompt_logprobs {self.prompt_logprobs}: must be 0 or more"),
         ]
         for ok, message in checks:
             if not ok:

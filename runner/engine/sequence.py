@@ -38,6 +38,10 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per token, where logprobs > 0
+    # with params.prompt_logprobs: per prompt token after the first, its log-probability and its
+    # position's likeliest tokens with theirs (where prompt_logprobs > 0)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens whose keys and values are in the cache
     block_table: list[int] = field(default_factory=list)
@@ -57,6 +61,14 @@ class Sequence:
     @property
     def first_token(self) -> float | None:
         return self.token_times[0] if self.token_times else None
+
+    @property
+    def prompt_rows(self) -> range:
+        """Positions whose logits score a prompt token that this sequence has still to score (none
+        unless its params ask for its prompt's log-probabilities)."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        return range(len(self.prompt_logprobs), len(self.prompt_ids) - 1)
 
     @property
     def num_tokens(self) -> int:

@@ -145,7 +145,7 @@ class DraftProposer:
             active = [i for i in active if len(guesses[i]) < limits[i] and self._room(mirrors[i])]
             if not active:
                 break
-            step, _ = layout([(mirrors[i], mirrors[i].num_tokens - mirrors[i].num_computed) for i in active],
+            step, _, _ = layout([(mirrors[i], mirrors[i].num_tokens - mirrors[i].num_computed) for i in active],
                              self.block_size, self.device, 1 + self.config.num_tokens)
             logits = self.model.forward(step, self.pool)
             for row, i in enumerate(active):
