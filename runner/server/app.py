@@ -19,6 +19,7 @@ import json
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends, FastAPI, Request as HTTPRequest
@@ -30,7 +31,8 @@ from core.errors import InputError
 from runner.engine.sampling import SamplingParams
 from runner.server.async_engine import AsyncEngine, Overloaded, Request, Update
 from runner.server.guard import BodyGuard, Limits
-from runner.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, usage
+from runner.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                    usage)
 from runner.server.token_bound import max_token_bytes, min_tokens
 
 # For a model whose tokenizer has no chat template (a base model): the conversation as plain text.
@@ -39,6 +41,17 @@ PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] | capitalize }}: {{ 
 # Texts up to this many characters are tokenized on the event loop: tens of microseconds, less than
 # a hop to a worker thread costs. Longer ones go to a thread (the tokenizer lets go of the GIL).
 TOKENIZE_INLINE = 4096
+
+
+@dataclass
+class Choice:
+    """One sequence of a client's request: choice ``index`` of the response, its prompt's ids, its
+    sampling, and with ``echo`` the prompt's text to put before its completion."""
+
+    index: int
+    ids: list[int]
+    params: SamplingParams
+    echo: str | None = None
 
 
 class Server:
@@ -74,18 +87,20 @@ class Server:
             raise APIError(400, "prompt: empty", "prompt")
         return ids
 
-    async def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+    async def chat_ids(self, body: ChatCompletionRequest | TokenizeRequest, generation_prompt: bool = True,
+                       fits: bool = True) -> list[int]:
         conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
         size = sum(len(m["content"]) for m in conversation)
-        text = await off_loop(size, self.render, conversation)
-        self.check_fits(text, "messages")
+        text = await off_loop(size, self.render, conversation, generation_prompt)
+        if fits:
+            self.check_fits(text, "messages")
         # A model's own template writes its special tokens itself; the plain one relies on the tokenizer's.
         return await off_loop(len(text), self.tokenize, text, self.own_template is None, "messages")
 
-    def render(self, conversation: list[dict]) -> str:
+    def render(self, conversation: list[dict], generation_prompt: bool = True) -> str:
         try:
             return self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template, tokenize=False,
-                                                      add_generation_prompt=True)
+                                                      add_generation_prompt=generation_prompt)
         except Exception as error:  # the template refuses the conversation (jinja's raise_exception)
             raise APIError(400, f"messages: the chat template refuses them: {error}", "messages") from None
 
@@ -107,7 +122,10 @@ class Server:
         raise APIError(413, f"{param}: {tokens} tokens; this model's context is {self.max_model_len} tokens, "
                             "prompt and output together", param, "context_length_exceeded")
 
-    def params(self, body, ids: list[int], max_tokens: int | None, logprobs: int | None, param: str) -> SamplingParams:
+    def params(self, body, ids: list[int], max_tokens: int | None, logprobs: int | None, param: str,
+               prompt_logprobs: int | None = None, choice: int = 0) -> SamplingParams:
+        """A choice's sampling: the request's, with the ``choice``-th seed after the request's own
+        (so that ``n`` seeded choices differ from one another and each repeats)."""
         if len(ids) >= self.max_model_len:
             self.refuse_length(len(ids), param)
         room = self.max_model_len - len(ids)
@@ -116,15 +134,16 @@ class Server:
             raise APIError(400, f"max_tokens {max_tokens}: the prompt's {len(ids)} tokens leave room for {room} in this "
                                 f"model's context of {self.max_model_len}", "max_tokens", "context_length_exceeded")
         try:
+            seed = None if body.seed is None else (body.seed + choice) % 2**63
             return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
-                                  top_p=body.top_p, seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
-                                  ignore_eos=body.ignore_eos, logprobs=logprobs)
+                                  top_p=body.top_p, seed=seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
+                                  ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except InputError as error:  # what the engine refuses that the schema let through
             raise APIError(400, str(error)) from None
 
-    def submit(self, ids: list[int], params: SamplingParams) -> Request:
+    def submit(self, choices: list[Choice]) -> list[Request]:
         try:
-            return self.engine.submit(ids, params)
+            return self.engine.submit([(c.ids, c.params) for c in choices])
         except Overloaded as error:
             raise APIError(429, str(error), None, "rate_limit_exceeded") from None
 
@@ -133,16 +152,24 @@ class Server:
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
-    def completion_logprobs(self, update_list: list[Update], offset: int) -> dict:
+    def completion_logprobs(self, update_list: list[Update], offset: int, echoed: list[int] | None = None) -> dict:
+        """The legacy completions' log-probabilities of ``update_list``'s tokens, text offsets from
+        ``offset``; with ``echoed`` (the prompt's ids, in the first update's response) the prompt's
+        first: its first token unscored (null), the others as the engine scored them."""
         tokens, chosen, top = _scored(update_list)
+        tops = [{self.token_text(t): lp for t, lp in d.items()} for d in top] if top else None
+        if echoed is not None:
+            first = update_list[0]
+            tokens, chosen = echoed + tokens, [None, *first.prompt_logprobs] + chosen
+            if tops is not None or first.prompt_top_logprobs is not None:
+                prompt_tops = [{self.token_text(t): lp for t, lp in d.items()} for d in first.prompt_top_logprobs or []]
+                tops = [None, *prompt_tops] + (tops or [])
         texts = [self.token_text(t) for t in tokens]
         offsets, at = [], offset
         for text in texts:
             offsets.append(at)
             at += len(text)
-        return {"tokens": texts, "token_logprobs": chosen,
-                "top_logprobs": [{self.token_text(t): lp for t, lp in d.items()} for d in top] if top else None,
-                "text_offset": offsets}
+        return {"tokens": texts, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
 
     def chat_logprobs(self, update_list: list[Update]) -> dict:
         tokens, chosen, top = _scored(update_list)
@@ -167,6 +194,30 @@ async def off_loop(size: int, work, *args):
     if size <= TOKENIZE_INLINE:
         return work(*args)
     return await asyncio.to_thread(work, *args)
+
+
+async def merged(requests: list[Request]) -> AsyncIterator[tuple[int, Update]]:
+    """The updates of several requests as they come, each with its request's place in the list,
+    until every one has had its last; the first engine error as an APIError."""
+    if len(requests) == 1:
+        async for update in updates(requests[0]):
+            yield 0, update
+        return
+    pending = {asyncio.ensure_future(r.updates.get()): i for i, r in enumerate(requests)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):
+                at = pending.pop(task)
+                update = task.result()
+                if update.error is not None:
+                    raise APIError(*update.error)
+                yield at, update
+                if update.finish_reason is None:
+                    pending[asyncio.ensure_future(requests[at].updates.get())] = at
+    finally:
+        for task in pending:
+            task.cancel()
 
 
 async def updates(request: Request) -> AsyncIterator[Update]:
@@ -262,6 +313,34 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         ])
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
+    # vLLM's tokenizer routes, beside /v1: a client (lm-eval's remote tokenizer) tokenizes as the
+    # server does without a copy of the tokenizer, which a GGUF-served model has nowhere else
+    @app.post("/tokenize", dependencies=[Depends(authorize)])
+    async def tokenize(body: TokenizeRequest) -> dict:
+        if body.model is not None:
+            server.check_model(body.model)
+        if body.messages is not None:
+            ids = await server.chat_ids(body, body.add_generation_prompt, fits=False)
+        else:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await off_loop(len(body.prompt), server.tokenize, body.prompt, special, "prompt")
+        return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize", dependencies=[Depends(authorize)])
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        if body.model is not None:
+            server.check_model(body.model)
+        if any(not 0 <= t < server.vocab for t in body.tokens):
+            raise APIError(400, f"tokens: a token id outside the vocabulary (0..{server.vocab - 1})", "tokens")
+        return {"prompt": await off_loop(len(body.tokens), server.tokenizer.decode, body.tokens)}
+
+    @app.get("/tokenizer_info", dependencies=[Depends(authorize)])
+    async def tokenizer_info() -> dict:
+        t = server.tokenizer
+        return {"tokenizer_class": type(t).__name__, "eos_token": t.eos_token, "bos_token": t.bos_token,
+                "pad_token": t.pad_token, "unk_token": t.unk_token, "chat_template": server.own_template,
+                "model_max_length": server.max_model_len}
+
     @v1.get("/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
@@ -270,88 +349,109 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @v1.post("/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
         server.check_model(body.model)
-        ids = await server.prompt_ids(body.single_prompt())
-        params = server.params(body, ids, body.max_tokens, body.logprobs, "prompt")
-        return await respond(http, body, ids, params, chat=False)
+        choices = []
+        for prompt in body.prompts():
+            ids = await server.prompt_ids(prompt)
+            echo = (prompt if isinstance(prompt, str) else server.tokenizer.decode(ids)) if body.echo else None
+            scored = body.logprobs if body.echo else None
+            choices += [Choice(len(choices) + j, ids, server.params(body, ids, body.max_tokens, body.logprobs, "prompt", scored, j),
+                               echo) for j in range(body.n)]
+        return await respond(http, body, choices, chat=False)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
         server.check_model(body.model)
         ids = await server.chat_ids(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = server.params(body, ids, body.max_completion_tokens or body.max_tokens, logprobs, "messages")
-        return await respond(http, body, ids, params, chat=True)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        choices = [Choice(j, ids, server.params(body, ids, max_tokens, logprobs, "messages", None, j)) for j in range(body.n)]
+        return await respond(http, body, choices, chat=True)
 
-    async def respond(http: HTTPRequest, body, ids: list[int], params: SamplingParams, chat: bool):
-        request = server.submit(ids, params)
+    async def respond(http: HTTPRequest, body, choices: list[Choice], chat: bool):
+        requests = server.submit(choices)
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        prompt_count = sum(len(c.ids) for c in choices[:: body.n])
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(request, rid, created, chat, include_usage, len(ids)),
+            return StreamingResponse(stream(choices, requests, rid, created, chat, include_usage, prompt_count),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        got: list[Update] = []
+        got: list[list[Update]] = [[] for _ in choices]
 
         async def collect() -> None:
-            async for update in updates(request):
-                got.append(update)
+            async for index, update in merged(requests):
+                got[index].append(update)
 
         work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected(http))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not work.done():  # the client left (or the server is stopping): end its request now
+            if not work.done():  # the client left (or the server is stopping): end its requests now
                 work.cancel()
-                engine.abort(request)
+            if work.cancelled() or work.exception() is not None:  # and where one failed, the others
+                for request in requests:
+                    engine.abort(request)
         if gone.done() and not work.done():
             return PlainTextResponse("", status_code=499)
         work.result()  # an engine error as its APIError
-        text = "".join(u.text for u in got)
-        tokens = sum(len(u.token_ids) for u in got)
-        want_logprobs = params.logprobs is not None
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": server.chat_logprobs(got) if want_logprobs else None, "finish_reason": got[-1].finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": server.completion_logprobs(got, 0) if want_logprobs else None,
-                      "finish_reason": got[-1].finish_reason}
+        out, tokens = [], 0
+        for choice, updates_of in zip(choices, got):
+            text = "".join(u.text for u in updates_of)
+            tokens += sum(len(u.token_ids) for u in updates_of)
+            want_logprobs = choice.params.logprobs is not None
+            if chat:
+                out.append({"index": choice.index, "message": {"role": "assistant", "content": text},
+                            "logprobs": server.chat_logprobs(updates_of) if want_logprobs else None,
+                            "finish_reason": updates_of[-1].finish_reason})
+            else:
+                echoed = choice.ids if choice.echo is not None else None
+                out.append({"index": choice.index, "text": (choice.echo or "") + text,
+                            "logprobs": server.completion_logprobs(updates_of, 0, echoed) if want_logprobs else None,
+                            "finish_reason": updates_of[-1].finish_reason})
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": model_name, "choices": [choice], "usage": usage(len(ids), tokens)}
+                "model": model_name, "choices": out, "usage": usage(prompt_count, tokens)}
 
-    async def stream(request: Request, rid: str, created: int, chat: bool, include_usage: bool,
-                     prompt_tokens: int) -> AsyncIterator[str]:
+    async def stream(choices: list[Choice], requests: list[Request], rid: str, created: int, chat: bool,
+                     include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
-        want_logprobs = request.params.logprobs is not None
 
-        def event(choices: list[dict], **extra) -> str:
-            payload = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": choices, **extra}
+        def event(parts: list[dict], **extra) -> str:
+            payload = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": parts, **extra}
             if include_usage and "usage" not in extra:
                 payload["usage"] = None
             return f"data: {json.dumps(payload)}\n\n"
 
-        finished, tokens, offset = False, 0, 0
+        finished, tokens = [False] * len(choices), 0
+        offsets = [0] * len(choices)
         try:
             if chat:
-                yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-            async for update in updates(request):
-                finished = update.finish_reason is not None
+                for choice in choices:
+                    yield event([{"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
+            async for at, update in merged(requests):
+                choice = choices[at]
+                finished[at] = update.finish_reason is not None
                 tokens += len(update.token_ids)
+                first = offsets[at] == 0 and choice.echo is not None
+                text = (choice.echo if first else "") + update.text
                 logprobs = None
-                if want_logprobs and update.token_ids:
-                    logprobs = server.chat_logprobs([update]) if chat else server.completion_logprobs([update], offset)
-                offset += len(update.text)
-                if update.text or update.token_ids or finished:
-                    piece = {"content": update.text} if update.text or not finished else {}
-                    choice = {"delta": piece} if chat else {"text": update.text}
-                    yield event([{"index": 0, **choice, "logprobs": logprobs, "finish_reason": update.finish_reason}])
+                if choice.params.logprobs is not None and update.token_ids:
+                    logprobs = (server.chat_logprobs([update]) if chat else
+                                server.completion_logprobs([update], offsets[at], choice.ids if first else None))
+                offsets[at] += len(text)
+                if text or update.token_ids or finished[at]:
+                    piece = {"content": text} if text or not finished[at] else {}
+                    part = {"delta": piece} if chat else {"text": text}
+                    yield event([{"index": choice.index, **part, "logprobs": logprobs, "finish_reason": update.finish_reason}])
             if include_usage:
                 yield event([], usage=usage(prompt_tokens, tokens))
         except APIError as error:
-            finished = True
+            finished = [True] * len(choices)
             yield f"data: {json.dumps(error.body())}\n\n"
         finally:
-            if not finished:  # the client left mid-stream: its request ends now, its blocks are freed
-                engine.abort(request)
+            for request, done in zip(requests, finished):
+                if not done:  # the client left mid-stream: its requests end now, their blocks are freed
+                    engine.abort(request)
         yield "data: [DONE]\n\n"
 
     app.include_router(v1)

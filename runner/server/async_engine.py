@@ -56,6 +56,10 @@ class Update:
     top_logprobs: list[dict[int, float]]
     finish_reason: str | None = None
     error: tuple[int, str] | None = None  # HTTP status and message: the engine could not run it
+    # in a request's first update with tokens, where its params ask for them: each prompt token's
+    # log-probability after the first, and where more than 0 asked, its position's likeliest tokens
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -99,18 +103,22 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Request:
-        """Queue a request (from the event loop); ``Overloaded`` when ``max_waiting`` requests wait
-        already beyond those the running batch has room for."""
+    def submit(self, jobs: list[tuple[list[int], SamplingParams]]) -> list[Request]:
+        """Queue the sequences of one client request (from the event loop), all or none:
+        ``Overloaded`` when, with them, more than ``max_waiting`` would wait beyond those the
+        running batch has room for."""
         scheduler = self.engine.scheduler
         room = max(0, scheduler.max_num_seqs - len(scheduler.running))
-        if len(scheduler.waiting) + self._inbox.qsize() - room >= self.max_waiting:
+        if len(scheduler.waiting) + self._inbox.qsize() + len(jobs) - 1 - room >= self.max_waiting:
             self.metrics.reject()
-            raise Overloaded(f"the server has {self.max_waiting} requests waiting already: try again later")
-        request = Request(prompt_ids, params, asyncio.get_running_loop())
-        self._inbox.put(("add", request))
+            raise Overloaded(f"the server has {self.max_waiting} requests waiting already"
+                             + (f" and this one has {len(jobs)} sequences" if len(jobs) > 1 else "") + ": try again later")
+        loop = asyncio.get_running_loop()
+        requests = [Request(ids, params, loop) for ids, params in jobs]
+        for request in requests:
+            self._inbox.put(("add", request))
         self._wake.set()
-        return request
+        return requests
 
     def abort(self, request: Request) -> None:
         self._inbox.put(("abort", request))
@@ -171,6 +179,9 @@ class AsyncEngine:
             return
         update = Update(text[request.sent_text:], tokens, seq.logprobs[request.sent_tokens:],
                         seq.top_logprobs[request.sent_tokens:], seq.finish_reason if done else None, error)
+        if request.sent_tokens == 0 and tokens and seq.params.prompt_logprobs is not None:
+            update.prompt_logprobs = list(seq.prompt_logprobs)
+            update.prompt_top_logprobs = list(seq.prompt_top_logprobs) if seq.params.prompt_logprobs else None
         request.sent_text, request.sent_tokens = max(request.sent_text, len(text)), len(seq.output_ids)
         if done:
             del self._active[seq.id]

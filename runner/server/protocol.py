@@ -1,8 +1,13 @@
 """The OpenAI API's request bodies as the server accepts them, and its error shape.
 
 Fields a client may send that change nothing here (``user``, ``frequency_penalty: 0``) are
-ignored; fields that would change the output in a way the engine cannot honour (``n: 2``, a
-penalty, ``echo``) are refused by name, not silently dropped.
+ignored; fields that would change the output in a way the engine cannot honour (a penalty,
+``best_of``, ``suffix``) are refused by name, not silently dropped.
+
+A completion request may carry several prompts (a list of strings or of token-id lists) and ask
+for ``n`` choices of each: choice ``i * n + j`` is prompt ``i``'s ``j``-th, as OpenAI numbers them.
+``echo`` puts the prompt before the completion, and with ``logprobs`` scores every prompt token
+after the first: what evaluation harnesses (lm-eval's ``local-completions``) ask to score a text.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
 
+MAX_CHOICES = 128  # n, and prompts times n in one request
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -46,7 +54,7 @@ class _Common(BaseModel):
     ignore_eos: bool = False  # vLLM's extension
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: StrictInt = Field(1, ge=1, le=MAX_CHOICES)
     frequency_penalty: Literal[0, 0.0] = 0
     presence_penalty: Literal[0, 0.0] = 0
 
@@ -64,18 +72,20 @@ class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     max_tokens: StrictInt | None = Field(16, ge=1)
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    echo: Literal[False] = False
+    echo: bool = False
     best_of: Literal[1, None] = None
     suffix: None = None
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt (a batch of several is refused: one request, one prompt)."""
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt of the request, in order: a text, a list of token ids, or a list of either."""
         p = self.prompt
-        if isinstance(p, str) or (p and isinstance(p[0], int)):
-            return p
-        if len(p) != 1:
-            raise APIError(400, f"prompt: a list of {len(p)} prompts; send one prompt per request", "prompt")
-        return p[0]
+        prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not prompts:
+            raise APIError(400, "prompt: an empty list of prompts", "prompt")
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise APIError(400, f"prompt: {len(prompts)} prompts of n {self.n} choices each; at most {MAX_CHOICES} "
+                                "choices a request", "prompt")
+        return prompts
 
 
 class TextPart(BaseModel):
@@ -101,6 +111,32 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: a text (special tokens added by default) or a conversation (the chat
+    template's text, with its own special tokens)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give a prompt or messages, one of them")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
 
 
 Body = Union[CompletionRequest, ChatCompletionRequest]
