@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from conftest import TINY
 from runner import LLM, SamplingParams
@@ -31,7 +32,8 @@ def free_port() -> int:
 class Running:
     """A server on a thread of this process, so the test can look at its engine."""
 
-    def __init__(self, max_num_seqs: int = 4, max_waiting: int = 64, max_model_len: int = 256, **engine):
+    def __init__(self, max_num_seqs: int = 4, max_waiting: int = 64, max_model_len: int = 256, api_key: str | None = KEY,
+                 **engine):
         import uvicorn
 
         from runner.server.app import create_app
@@ -42,7 +44,7 @@ class Running:
         self.engine = AsyncEngine(self.llm, max_waiting)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.engine, NAME, KEY), host="127.0.0.1", port=self.port,
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.engine, NAME, api_key), host="127.0.0.1", port=self.port,
                                                     log_level="warning"))
         self.thread = threading.Thread(target=self.server.run)
         self.thread.start()
@@ -164,6 +166,81 @@ def test_sampling_by_seed_stop_strings_and_logprobs(server, offline):
                                           temperature=0, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_echo_scores_the_prompt_as_the_engine_does(server, offline):
+    """What lm-eval's local-completions asks to score a text: echo, logprobs 1, one token more."""
+    ids = offline.token_ids(PROMPT)
+    reply = server.client().completions.create(model=NAME, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    reference = offline.generate([ids], SamplingParams(max_tokens=1, temperature=0, logprobs=1, prompt_logprobs=1))[0]
+    choice, lp = reply.choices[0], reply.choices[0].logprobs
+    assert choice.text == offline.tokenizer.decode(ids) + reference.text
+    assert len(lp.tokens) == len(ids) + 1 and lp.tokens[:-1] == [offline.tokenizer.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(reference.prompt_logprobs[1:] + reference.logprobs, abs=1e-5)
+    tops = reference.prompt_top_logprobs[1:] + reference.top_logprobs
+    assert [list(t.values()) for t in lp.top_logprobs[1:]] == [pytest.approx(list(t.values()), abs=1e-5) for t in tops]
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == 1
+    text = server.client().completions.create(model=NAME, prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
+    assert text.choices[0].text.startswith(PROMPT) and text.choices[0].logprobs is None
+    streamed = list(server.client().completions.create(model=NAME, prompt=ids, max_tokens=3, temperature=0, logprobs=0,
+                                                       echo=True, stream=True))
+    first = streamed[0].choices[0].logprobs
+    assert streamed[0].choices[0].text.startswith(offline.tokenizer.decode(ids))
+    assert first.token_logprobs[0] is None and first.token_logprobs[1:len(ids)] == pytest.approx(reference.prompt_logprobs[1:], abs=1e-5)
+
+
+def test_several_prompts_and_n_choices_in_one_request(server, offline):
+    prompts = [PROMPT, "The sea was", "Once upon a time"]
+    client = server.client()
+    reply = client.completions.create(model=NAME, prompt=prompts, max_tokens=12, temperature=0)
+    expected = offline.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+    assert [c.index for c in reply.choices] == [0, 1, 2] and [c.text for c in reply.choices] == [e.text for e in expected]
+    assert reply.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
+    sampled = client.completions.create(model=NAME, prompt=prompts[:2], max_tokens=12, temperature=1.0, seed=5, n=3)
+    assert [c.index for c in sampled.choices] == list(range(6))
+    for i, prompt in enumerate(prompts[:2]):  # choice j of a prompt draws with seed 5 + j
+        texts = [c.text for c in sampled.choices[3 * i : 3 * i + 3]]
+        assert texts == [offline.generate(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=5 + j))[0].text
+                         for j in range(3)]
+        assert len(set(texts)) == 3
+    assert sampled.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected[:2])
+    chunks = list(client.completions.create(model=NAME, prompt=prompts, max_tokens=12, temperature=0, stream=True))
+    for i, e in enumerate(expected):
+        assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) == e.text
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                          temperature=0.8, seed=1, n=2)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content != chat.choices[1].message.content
+
+
+def test_a_client_that_leaves_a_request_of_several_prompts_frees_every_block(server):
+    with httpx.stream("POST", f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": NAME, "prompt": [PROMPT] * 3, "max_tokens": 200, "stream": True, "n": 2,
+                            "ignore_eos": True}) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                break
+    assert server.idle()
+
+
+def test_tokenize_detokenize_and_tokenizer_info_are_vllms(server, offline):
+    ids = offline.token_ids(PROMPT)
+    reply = post(server, "/tokenize", {"model": NAME, "prompt": PROMPT}).json()
+    assert reply == {"count": len(ids), "max_model_len": 256, "tokens": ids, "token_strs": None}
+    bare = post(server, "/tokenize", {"prompt": PROMPT, "add_special_tokens": False}).json()["tokens"]
+    assert bare == offline.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+    assert chat == offline.token_ids(plain_chat(messages))
+    assert post(server, "/detokenize", {"tokens": bare}).json() == {"prompt": offline.tokenizer.decode(bare)}
+    info = httpx.get(f"{server.url}/tokenizer_info", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert info["eos_token"] == offline.tokenizer.eos_token and info["model_max_length"] == 256
+    for path, body, fragment in [("/tokenize", {"model": NAME}, "one of them"), ("/detokenize", {"tokens": [99999]}, "vocabulary"),
+                                 ("/tokenize", {"model": "gpt-5", "prompt": "x"}, "gpt-5")]:
+        refused = post(server, path, body)
+        assert refused.status_code in (400, 404) and fragment in refused.json()["error"]["message"]
+    assert post(server, "/tokenize", {"prompt": "x"}, key=None).status_code == 401
 
 
 def post(server, path: str, body, key: str | None = KEY, timeout: float = 30) -> httpx.Response:
@@ -344,3 +421,40 @@ def test_quantize_serve_refuses_bad_options_in_one_line(monkeypatch, capsys, arg
     from helpers.cli import assert_user_error, quantize
 
     assert_user_error(quantize(monkeypatch, capsys, *args), fragment)
+
+
+def test_lm_eval_scores_a_served_model_as_it_scores_the_model_in_process(tmp_path):
+    """lm-eval's own client for OpenAI-style servers (``local-completions``), tokenizing through
+    the server's /tokenize, against the same tasks run in-process through our bridge: the same
+    log-likelihoods (prompts batched 4 a request, each scored by echo) and the same answers."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from evalsuite.lm_eval_bridge import QuantbenchLM, run_lm_eval, task_manager, write_local_task_yaml
+    from evalsuite.metrics import causal_lm_logprobs
+
+    tasks = TINY.parent / "tasks"
+    write_local_task_yaml("qb_order", tasks / "persuasion_order.jsonl", tmp_path)
+    write_local_task_yaml("qb_cloze", tasks / "persuasion_cloze.jsonl", tmp_path)
+    manager = task_manager(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    ours = QuantbenchLM(causal_lm_logprobs(model), tokenizer, 2048, model.config.vocab_size, model.config.bos_token_id)
+    running = Running(max_model_len=2048, api_key=None)
+    try:
+        served = LocalCompletionsAPI(base_url=f"{running.url}/v1/completions", model=NAME, tokenizer_backend="auto",
+                                     tokenized_requests=True, batch_size=4, num_concurrent=1, max_length=2048, max_retries=1)
+        assert type(served.tokenizer).__name__ == "RemoteTokenizer"  # found our /tokenizer_info and /tokenize
+        pairs = [("Anne walked", " to the sea"), ("It was", " a truth"), ("", " Persuasion"), ("She said", " nothing.")]
+        instances = [Instance("loglikelihood", {}, pair, i, ("t", i, 1)) for i, pair in enumerate(pairs)]
+        for (lp, greedy), (our_lp, our_greedy) in zip(served.loglikelihood(instances), ours.loglikelihood(instances)):
+            assert lp == pytest.approx(our_lp, abs=1e-3) and greedy == our_greedy
+        remote = run_lm_eval(served, ["qb_order", "qb_cloze"], manager, limit=24, num_fewshot=0)
+        local = run_lm_eval(ours, ["qb_order", "qb_cloze"], manager, limit=24, num_fewshot=0)
+        for task in ("qb_order", "qb_cloze"):
+            assert remote[task].accuracy == local[task].accuracy and remote[task].correct == local[task].correct
+        assert running.idle()
+    finally:
+        running.stop()
