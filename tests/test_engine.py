@@ -358,3 +358,37 @@ def test_prompt_logprobs_are_transformers_whatever_the_chunks_cache_and_preempti
     if "kv_memory" in engine:
         assert llm.engine.scheduler.preemptions > 0
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+
+
+def test_penalties_choose_as_transformers_and_openai_define_them(prompts):
+    """repetition_penalty as transformers' generate applies it; presence and frequency penalties as
+    OpenAI defines them, by a reference loop over transformers' logits; requests without penalties
+    in the same batch keep their tokens, and the log-probabilities stay the model's own."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    llm = LLM(TINY, dtype="fp32", kv_memory=16 * 2**20, speculative="ngram")  # penalized sequences take no guesses
+    asked = prompts[1:4]
+    plain = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
+    repeated = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, repetition_penalty=1.3, logprobs=0)
+    openai = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, presence_penalty=0.6, frequency_penalty=0.9)
+    outs = llm.generate(asked + asked[:1] + asked[:1], [plain] * 3 + [repeated, openai])
+    with torch.no_grad():
+        reference = model.generate(torch.tensor([asked[0]]), max_new_tokens=24, do_sample=False, repetition_penalty=1.3,
+                                   attention_mask=torch.ones(1, len(asked[0]), dtype=torch.long))[0, len(asked[0]):].tolist()
+        ids, counts = list(asked[0]), torch.zeros(model.config.vocab_size)
+        for _ in range(24):
+            scores = model(torch.tensor([ids])).logits[0, -1] - 0.9 * counts - 0.6 * (counts > 0)
+            ids.append(int(scores.argmax()))
+            counts[ids[-1]] += 1
+    assert outs[3].token_ids == reference and outs[4].token_ids == ids[len(asked[0]):]
+    assert outs[3].token_ids != outs[0].token_ids and outs[4].token_ids != outs[0].token_ids  # the penalties did something
+    assert [o.token_ids for o in outs[:3]] == [o.token_ids for o in LLM(TINY, dtype="fp32", kv_memory=16 * 2**20).generate(asked, plain)]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([asked[0] + reference])).logits[0, len(asked[0]) - 1 : -1], -1)
+    torch.testing.assert_close(torch.tensor(outs[3].logprobs), logp.gather(1, torch.tensor(reference)[:, None])[:, 0],
+                               atol=1e-4, rtol=0)
+    with pytest.raises(InputError, match="repetition_penalty 0"):
+        SamplingParams(repetition_penalty=0)
+    with pytest.raises(InputError, match="must be in \\[-2, 2\\]"):
+        SamplingParams(frequency_penalty=3)

@@ -12,7 +12,6 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from conftest import TINY
 from runner import LLM, SamplingParams
@@ -32,8 +31,7 @@ def free_port() -> int:
 class Running:
     """A server on a thread of this process, so the test can look at its engine."""
 
-    def __init__(self, max_num_seqs: int = 4, max_waiting: int = 64, max_model_len: int = 256, api_key: str | None = KEY,
-                 **engine):
+    def __init__(self, max_num_seqs: int = 4, max_waiting: int = 64, max_model_len: int = 256, **engine):
         import uvicorn
 
         from runner.server.app import create_app
@@ -44,7 +42,7 @@ class Running:
         self.engine = AsyncEngine(self.llm, max_waiting)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.engine, NAME, api_key), host="127.0.0.1", port=self.port,
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.engine, NAME, KEY), host="127.0.0.1", port=self.port,
                                                     log_level="warning"))
         self.thread = threading.Thread(target=self.server.run)
         self.thread.start()
@@ -191,6 +189,16 @@ def test_echo_scores_the_prompt_as_the_engine_does(server, offline):
     assert first.token_logprobs[0] is None and first.token_logprobs[1:len(ids)] == pytest.approx(reference.prompt_logprobs[1:], abs=1e-5)
 
 
+def test_penalties_are_the_engines(server, offline):
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": 1.0, "repetition_penalty": 1.2}
+    reply = server.client().completions.create(model=NAME, prompt=PROMPT, max_tokens=30, temperature=0,
+                                               presence_penalty=0.5, frequency_penalty=1.0,
+                                               extra_body={"repetition_penalty": 1.2})
+    expected = offline.generate(PROMPT, SamplingParams(max_tokens=30, temperature=0, **penalties))[0]
+    assert reply.choices[0].text == expected.text
+    assert expected.text != offline.generate(PROMPT, SamplingParams(max_tokens=30, temperature=0))[0].text
+
+
 def test_several_prompts_and_n_choices_in_one_request(server, offline):
     prompts = [PROMPT, "The sea was", "Once upon a time"]
     client = server.client()
@@ -259,7 +267,9 @@ def post(server, path: str, body, key: str | None = KEY, timeout: float = 30) ->
     ({"model": NAME, "prompt": "x", "n": 0}, 400, "n"),
     ({"model": NAME, "prompt": ["x"] * 20, "n": 8}, 400, "at most 128 choices"),
     ({"model": NAME, "prompt": []}, 400, "empty list"),
-    ({"model": NAME, "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({"model": NAME, "prompt": "x", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ({"model": NAME, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"model": NAME, "prompt": "x", "best_of": 2}, 400, "best_of"),
     ({"model": NAME, "prompt": [1, 99999]}, 400, "vocabulary"),
     ({"model": NAME, "prompt": [[1, 2], [1, 99999]]}, 400, "vocabulary"),
     ({"model": NAME, "prompt": "x", "stop": [""]}, 400, "stop"),
@@ -422,39 +432,3 @@ def test_quantize_serve_refuses_bad_options_in_one_line(monkeypatch, capsys, arg
 
     assert_user_error(quantize(monkeypatch, capsys, *args), fragment)
 
-
-def test_lm_eval_scores_a_served_model_as_it_scores_the_model_in_process(tmp_path):
-    """lm-eval's own client for OpenAI-style servers (``local-completions``), tokenizing through
-    the server's /tokenize, against the same tasks run in-process through our bridge: the same
-    log-likelihoods (prompts batched 4 a request, each scored by echo) and the same answers."""
-    pytest.importorskip("lm_eval")
-    from lm_eval.api.instance import Instance
-    from lm_eval.models.openai_completions import LocalCompletionsAPI
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from evalsuite.lm_eval_bridge import QuantbenchLM, run_lm_eval, task_manager, write_local_task_yaml
-    from evalsuite.metrics import causal_lm_logprobs
-
-    tasks = TINY.parent / "tasks"
-    write_local_task_yaml("qb_order", tasks / "persuasion_order.jsonl", tmp_path)
-    write_local_task_yaml("qb_cloze", tasks / "persuasion_cloze.jsonl", tmp_path)
-    manager = task_manager(tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(TINY)
-    ours = QuantbenchLM(causal_lm_logprobs(model), tokenizer, 2048, model.config.vocab_size, model.config.bos_token_id)
-    running = Running(max_model_len=2048, api_key=None)
-    try:
-        served = LocalCompletionsAPI(base_url=f"{running.url}/v1/completions", model=NAME, tokenizer_backend="auto",
-                                     tokenized_requests=True, batch_size=4, num_concurrent=1, max_length=2048, max_retries=1)
-        assert type(served.tokenizer).__name__ == "RemoteTokenizer"  # found our /tokenizer_info and /tokenize
-        pairs = [("Anne walked", " to the sea"), ("It was", " a truth"), ("", " Persuasion"), ("She said", " nothing.")]
-        instances = [Instance("loglikelihood", {}, pair, i, ("t", i, 1)) for i, pair in enumerate(pairs)]
-        for (lp, greedy), (our_lp, our_greedy) in zip(served.loglikelihood(instances), ours.loglikelihood(instances)):
-            assert lp == pytest.approx(our_lp, abs=1e-3) and greedy == our_greedy
-        remote = run_lm_eval(served, ["qb_order", "qb_cloze"], manager, limit=24, num_fewshot=0)
-        local = run_lm_eval(ours, ["qb_order", "qb_cloze"], manager, limit=24, num_fewshot=0)
-        for task in ("qb_order", "qb_cloze"):
-            assert remote[task].accuracy == local[task].accuracy and remote[task].correct == local[task].correct
-        assert running.idle()
-    finally:
-        running.stop()

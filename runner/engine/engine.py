@@ -21,7 +21,7 @@ from runner.engine.checkpoint import open_model
 from runner.engine.kernels import fused_decode
 from runner.engine.kv_cache import BITS, FLOAT_CACHES, KVPool, bytes_per_token, float_cache
 from runner.engine.model import DecoderModel
-from runner.engine.sampling import SamplingParams, sample
+from runner.engine.sampling import SamplingParams, penalize, sample
 from runner.engine.scheduler import Scheduler
 from runner.engine.sequence import Sequence, Status
 from runner.engine.speculative import DraftProposer, NgramProposer, SpeculativeConfig, verify
@@ -206,8 +206,13 @@ class Engine:
         plain = [i for i, s in enumerate(sampled) if not s.draft_ids]
         chosen: list[list[int]] = [[] for _ in sampled]
         if plain:
-            drawn = sample(logits[[rows[i] for i in plain]], [sampled[i].params for i in plain],
-                           [sampled[i].generator for i in plain]).tolist()
+            scores = logits[[rows[i] for i in plain]]
+            penalized = [j for j, i in enumerate(plain) if sampled[i].params.penalized]
+            if penalized:  # chosen from the penalized scores; the log-probabilities stay the model's own, as vLLM's
+                seqs = [sampled[plain[j]] for j in penalized]
+                scores[penalized] = penalize(scores[penalized], [s.params for s in seqs], [s.prompt_ids for s in seqs],
+                                             [s.output_ids for s in seqs])
+            drawn = sample(scores, [sampled[i].params for i in plain], [sampled[i].generator for i in plain]).tolist()
             for i, token in zip(plain, drawn):
                 chosen[i] = [token]
         for i, seq in enumerate(sampled):
@@ -233,7 +238,8 @@ class Engine:
         """Guesses for every running sequence that decodes next step, as many as it may still use,
         and no more than its share of the step's token budget left after every running sequence's
         own next tokens (so that guesses never crowd out another sequence's decode token or prompt chunk)."""
-        ready = [s for s in self.scheduler.running if s.num_computed == s.num_tokens - 1]
+        # a penalized sequence gets no guesses: its scores change with every token it keeps
+        ready = [s for s in self.scheduler.running if s.num_computed == s.num_tokens - 1 and not s.params.penalized]
         if not ready:
             return
         spare = self.config.max_num_batched_tokens - sum(s.num_tokens - s.num_computed for s in self.scheduler.running)

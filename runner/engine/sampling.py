@@ -31,6 +31,13 @@ class SamplingParams:
     stop: list[str] | str | None = None  # generation ends before the first of these strings
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # OpenAI's penalties, on the tokens generated so far: the logit of a token drops by
+    # presence_penalty once it has appeared and by frequency_penalty for each time; vLLM's
+    # repetition_penalty (transformers' too) divides a positive logit of a token seen in the prompt
+    # or output by it, and multiplies a negative one
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: none; N >= 0: the chosen token's log-probability and the N likeliest's
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (vLLM's name)
 
@@ -47,6 +54,10 @@ class SamplingParams:
             (self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), f"seed {self.seed}: must be in 0..2^63-1"),
             (all(isinstance(s, str) and s for s in self.stop), "stop: must be non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids: must be token ids"),
+            (all(isinstance(v, (int, float)) and -2 <= v <= 2 for v in (self.presence_penalty, self.frequency_penalty)),
+             f"presence_penalty {self.presence_penalty}, frequency_penalty {self.frequency_penalty}: must be in [-2, 2]"),
+            (isinstance(self.repetition_penalty, (int, float)) and 0 < self.repetition_penalty < float("inf"),
+             f"repetition_penalty {self.repetition_penalty}: must be above 0"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), f"logprobs {self.logprobs}: must be 0 or more"),
             (self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
              f"prompt_logprobs {self.prompt_logprobs}: must be 0 or more"),
@@ -58,6 +69,33 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
+
+
+def penalize(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
+             outputs: list[list[int]]) -> torch.Tensor:
+    """``logits`` [rows, vocab] with each row's penalties applied (a new tensor; rows without
+    penalties unchanged), for a sequence with ``prompts[i]`` and ``outputs[i]`` so far: the token
+    counts are scattered into one [rows, vocab] table, so the work is one pass over the tokens."""
+    rows, vocab = logits.shape
+    dev = logits.device
+
+    def counts(histories: list[list[int]]) -> torch.Tensor:
+        table = torch.zeros(rows, vocab, device=dev)
+        owner = torch.repeat_interleave(torch.arange(rows), torch.tensor([len(h) for h in histories])).to(dev)
+        ids = torch.tensor([t for h in histories for t in h], dtype=torch.long, device=dev)
+        return table.index_put_((owner, ids), torch.ones(len(ids), device=dev), accumulate=True)
+
+    out = counts(outputs)
+    column = lambda values: torch.tensor(values, dtype=torch.float32, device=dev)[:, None]  # noqa: E731
+    repetition = column([p.repetition_penalty for p in params])
+    seen = (out > 0) | (counts(prompts) > 0)
+    scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen & (repetition != 1), scaled, logits)
+    return logits - column([p.frequency_penalty for p in params]) * out - column([p.presence_penalty for p in params]) * (out > 0)
 
 
 def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

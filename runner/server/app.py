@@ -137,7 +137,9 @@ class Server:
             seed = None if body.seed is None else (body.seed + choice) % 2**63
             return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
                                   top_p=body.top_p, seed=seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
-                                  ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                                  ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
+                                  frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except InputError as error:  # what the engine refuses that the schema let through
             raise APIError(400, str(error)) from None
 

@@ -1,8 +1,8 @@
 """The OpenAI API's request bodies as the server accepts them, and its error shape.
 
-Fields a client may send that change nothing here (``user``, ``frequency_penalty: 0``) are
-ignored; fields that would change the output in a way the engine cannot honour (a penalty,
-``best_of``, ``suffix``) are refused by name, not silently dropped.
+Fields a client may send that change nothing here (``user``, ``metadata``) are ignored; fields
+that would change the output in a way the engine cannot honour (``best_of``, ``suffix``) are
+refused by name, not silently dropped.
 
 A completion request may carry several prompts (a list of strings or of token-id lists) and ask
 for ``n`` choices of each: choice ``i * n + j`` is prompt ``i``'s ``j``-th, as OpenAI numbers them.
@@ -55,8 +55,9 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = Field(1, ge=1, le=MAX_CHOICES)
-    frequency_penalty: Literal[0, 0.0] = 0
-    presence_penalty: Literal[0, 0.0] = 0
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)  # vLLM's extension
 
     @model_validator(mode="after")
     def _stops(self):
