@@ -159,13 +159,15 @@ class Server:
         ``offset``; with ``echoed`` (the prompt's ids, in the first update's response) the prompt's
         first: its first token unscored (null), the others as the engine scored them."""
         tokens, chosen, top = _scored(update_list)
-        tops = [{self.token_text(t): lp for t, lp in d.items()} for d in top] if top else None
-        if echoed is not None:
-            first = update_list[0]
-            tokens, chosen = echoed + tokens, [None, *first.prompt_logprobs] + chosen
-            if tops is not None or first.prompt_top_logprobs is not None:
-                prompt_tops = [{self.token_text(t): lp for t, lp in d.items()} for d in first.prompt_top_logprobs or []]
-                tops = [None, *prompt_tops] + (tops or [])
+        named = lambda ranked: {self.token_text(t): lp for t, lp in ranked.items()}  # noqa: E731
+        tops = [named(d) for d in top] if top else None
+        if echoed is not None:  # both scored with the same N, so both have tops or neither
+            first = next((u for u in update_list if u.prompt_logprobs is not None), None)
+            unscored = [None] * (len(echoed) - 1)  # a request ended before its prompt was scored
+            tokens, chosen = echoed + tokens, [None, *(first.prompt_logprobs if first else unscored)] + chosen
+            if tops is not None:
+                prompt_tops = first.prompt_top_logprobs if first else None
+                tops = [None, *([named(d) for d in prompt_tops] if prompt_tops is not None else unscored)] + tops
         texts = [self.token_text(t) for t in tokens]
         offsets, at = [], offset
         for text in texts:
@@ -424,7 +426,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             return f"data: {json.dumps(payload)}\n\n"
 
         finished, tokens = [False] * len(choices), 0
-        offsets = [0] * len(choices)
+        offsets, echoed = [0] * len(choices), [False] * len(choices)
         try:
             if chat:
                 for choice in choices:
@@ -434,7 +436,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 choice = choices[at]
                 finished[at] = update.finish_reason is not None
                 tokens += len(update.token_ids)
-                first = offsets[at] == 0 and choice.echo is not None
+                first = choice.echo is not None and not echoed[at]
+                echoed[at] = True
                 text = (choice.echo if first else "") + update.text
                 logprobs = None
                 if choice.params.logprobs is not None and update.token_ids:
