@@ -30,6 +30,9 @@ from runner.engine.static_decode import StaticDecode
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}  # the options' names and config.json's
 DEFAULT_KV_SHARE = 0.5  # of the memory available when no --kv-memory is given
+# Prompt positions scored at once (SamplingParams.prompt_logprobs): their logits are this many rows
+# of the vocabulary (128 MiB of float32 for Gemma 3's 262,144 tokens), whatever the prompt's length.
+PROMPT_ROWS_AT_ONCE = 128
 
 
 @dataclass(frozen=True)
@@ -166,11 +169,11 @@ class Engine:
             logits = self.decoder.run(sampled)
         else:
             step, sampled, scored = layout(scheduled, self.block_size, self.device, self._decode_rows, score_prompts=True)
-            logits = self.model.forward(step, self.pool)
-        if scored:
-            rows = sum(1 + len(seq.draft_ids) for seq in sampled)
-            _score_prompts(logits[rows:], scored)
-            logits = logits[:rows]
+            if scored:
+                logits, hidden = self.model.forward(step, self.pool, sum(1 + len(seq.draft_ids) for seq in sampled))
+                _score_prompts(self.model.head, hidden, scored)
+            else:
+                logits = self.model.forward(step, self.pool)
         for seq, n in scheduled:
             seq.num_computed += n - len(seq.draft_ids)  # guesses' keys count once accepted (below)
         new_tokens = self._choose(logits, sampled)
@@ -285,12 +288,19 @@ def _logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], asked: l
     return chosen, [dict(zip(i[:a], v[:a])) if a else None for i, v, a in zip(ids, values, asked)]
 
 
-def _score_prompts(logits: torch.Tensor, scored: list[tuple[Sequence, range]]) -> None:
-    """Each scored sequence's prompt log-probabilities at ``positions`` (the logits' rows, in
-    order): the log-probability of the prompt token after each position, and its likeliest tokens."""
+def _score_prompts(head, hidden: torch.Tensor, scored: list[tuple[Sequence, range]]) -> None:
+    """Each scored sequence's prompt log-probabilities at ``positions`` (``hidden``'s rows, in
+    order, made logits by ``head`` a slice at a time): the log-probability of the prompt token
+    after each position, and its likeliest tokens."""
     targets = [seq.prompt_ids[p + 1] for seq, positions in scored for p in positions]
     asked = [seq.params.prompt_logprobs for seq, positions in scored for _ in positions]
-    chosen, top = _logprobs(logits, list(range(len(targets))), targets, asked)
+    chosen, top = [], []
+    for first in range(0, len(targets), PROMPT_ROWS_AT_ONCE):
+        part = slice(first, first + PROMPT_ROWS_AT_ONCE)
+        logits = head(hidden[part])
+        c, t = _logprobs(logits, list(range(len(logits))), targets[part], asked[part])
+        chosen += c
+        top += t
     at = 0
     for seq, positions in scored:
         seq.prompt_logprobs += chosen[at : at + len(positions)]

@@ -188,8 +188,11 @@ class DecoderModel:
         self._fused_norm = device.type == "cpu" and not arch.norm_offset and cpu_norm.available(dtype)
 
     @torch.inference_mode()
-    def forward(self, step: Step, pool: KVPool) -> torch.Tensor:
-        """Next-token logits, float32, for ``step.sample_rows``; writes the step's keys and values."""
+    def forward(self, step: Step, pool: KVPool, logit_rows: int | None = None):
+        """Next-token logits, float32, for ``step.sample_rows``; writes the step's keys and values.
+        With ``logit_rows``, logits for the first that many of those rows only, and the final
+        norm's output for the rest, for ``head`` to turn into logits a slice at a time (a prompt
+        scored whole would otherwise make rows x vocabulary floats at once)."""
         a = self.arch
         x = torch.index_select(self.embed, 0, step.tokens)
         if a.embedding_scale != 1.0:
@@ -226,8 +229,15 @@ class DecoderModel:
             delta = self._norm(mlp, layer["mlp_post"]) if a.post_norms else mlp
         rows = step.sample_rows
         x = self._add_norm(torch.index_select(x, 0, rows), torch.index_select(delta, 0, rows), self.norm)
+        if logit_rows is None:
+            return self.head(x)
+        return self.head(x[:logit_rows]), x[logit_rows:]
+
+    @torch.inference_mode()
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits, float32, of rows of the final norm's output."""
         logits = self.lm_head(x).float()
-        return _softcap(logits, a.final_softcap) if a.final_softcap else logits
+        return _softcap(logits, self.arch.final_softcap) if self.arch.final_softcap else logits
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
         """The residual stream ``x`` with ``delta`` added in place (where there is one), normed: in
