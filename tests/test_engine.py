@@ -388,6 +388,13 @@ def test_penalties_choose_as_transformers_and_openai_define_them(prompts):
         logp = torch.log_softmax(model(torch.tensor([asked[0] + reference])).logits[0, len(asked[0]) - 1 : -1], -1)
     torch.testing.assert_close(torch.tensor(outs[3].logprobs), logp.gather(1, torch.tensor(reference)[:, None])[:, 0],
                                atol=1e-4, rtol=0)
+    favoured, banned = outs[0].token_ids[3], outs[0].token_ids[0]
+    forced, avoided = llm.generate(asked[:1] * 2, [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logit_bias=bias)
+                                                   for bias in ({favoured: 100}, {banned: -100})])
+    assert forced.token_ids == [favoured] * 6 and banned not in avoided.token_ids
+    assert avoided.token_ids != outs[0].token_ids[:6]
+    with pytest.raises(InputError, match="logit_bias: a token id outside"):
+        llm.generate(asked[:1], SamplingParams(logit_bias={10**6: 1.0}))
     with pytest.raises(InputError, match="repetition_penalty 0"):
         SamplingParams(repetition_penalty=0)
     with pytest.raises(InputError, match="must be in \\[-2, 2\\]"):

@@ -197,6 +197,10 @@ def test_penalties_are_the_engines(server, offline):
     expected = offline.generate(PROMPT, SamplingParams(max_tokens=30, temperature=0, **penalties))[0]
     assert reply.choices[0].text == expected.text
     assert expected.text != offline.generate(PROMPT, SamplingParams(max_tokens=30, temperature=0))[0].text
+    token = offline.token_ids(" sea")[-1]
+    forced = server.client().completions.create(model=NAME, prompt=PROMPT, max_tokens=3, temperature=0,
+                                                logit_bias={str(token): 100})
+    assert forced.choices[0].text == offline.tokenizer.decode([token] * 3)
 
 
 def test_several_prompts_and_n_choices_in_one_request(server, offline):
@@ -270,6 +274,9 @@ def post(server, path: str, body, key: str | None = KEY, timeout: float = 30) ->
     ({"model": NAME, "prompt": "x", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
     ({"model": NAME, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({"model": NAME, "prompt": "x", "best_of": 2}, 400, "best_of"),
+    ({"model": NAME, "prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"model": NAME, "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"model": NAME, "prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
     ({"model": NAME, "prompt": [1, 99999]}, 400, "vocabulary"),
     ({"model": NAME, "prompt": [[1, 2], [1, 99999]]}, 400, "vocabulary"),
     ({"model": NAME, "prompt": "x", "stop": [""]}, 400, "stop"),

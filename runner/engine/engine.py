@@ -133,6 +133,8 @@ class Engine:
             raise InputError("a prompt needs at least one token")
         if any(not isinstance(t, int) or not 0 <= t < self.arch.vocab for t in prompt_ids):
             raise InputError(f"a prompt token id is outside the vocabulary (0..{self.arch.vocab - 1})")
+        if any(t >= self.arch.vocab for t in params.logit_bias):
+            raise InputError(f"logit_bias: a token id outside the vocabulary (0..{self.arch.vocab - 1})")
         if len(prompt_ids) >= self.max_model_len:
             raise InputError(f"a prompt of {len(prompt_ids)} tokens leaves no room in the context of "
                              f"{self.max_model_len} tokens")

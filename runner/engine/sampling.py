@@ -38,6 +38,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # OpenAI's: added to those tokens' logits
     logprobs: int | None = None  # None: none; N >= 0: the chosen token's log-probability and the N likeliest's
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (vLLM's name)
 
@@ -58,6 +59,8 @@ class SamplingParams:
              f"presence_penalty {self.presence_penalty}, frequency_penalty {self.frequency_penalty}: must be in [-2, 2]"),
             (isinstance(self.repetition_penalty, (int, float)) and 0 < self.repetition_penalty < float("inf"),
              f"repetition_penalty {self.repetition_penalty}: must be above 0"),
+            (all(isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and -100 <= b <= 100
+                 for t, b in self.logit_bias.items()), "logit_bias: token ids to biases in [-100, 100]"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), f"logprobs {self.logprobs}: must be 0 or more"),
             (self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
              f"prompt_logprobs {self.prompt_logprobs}: must be 0 or more"),
@@ -72,13 +75,14 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
+        """Whether its scores are the model's logits changed (penalties or a logit bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias) or self.repetition_penalty != 1.0
 
 
 def penalize(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
              outputs: list[list[int]]) -> torch.Tensor:
-    """``logits`` [rows, vocab] with each row's penalties applied (a new tensor; rows without
-    penalties unchanged), for a sequence with ``prompts[i]`` and ``outputs[i]`` so far: the token
+    """``logits`` [rows, vocab] with each row's penalties and logit bias applied (a new tensor; rows
+    without either unchanged), for a sequence with ``prompts[i]`` and ``outputs[i]`` so far: the token
     counts are scattered into one [rows, vocab] table, so the work is one pass over the tokens."""
     rows, vocab = logits.shape
     dev = logits.device
@@ -95,7 +99,13 @@ def penalize(logits: torch.Tensor, params: list[SamplingParams], prompts: list[l
     seen = (out > 0) | (counts(prompts) > 0)
     scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = torch.where(seen & (repetition != 1), scaled, logits)
-    return logits - column([p.frequency_penalty for p in params]) * out - column([p.presence_penalty for p in params]) * (out > 0)
+    logits = logits - column([p.frequency_penalty for p in params]) * out - column([p.presence_penalty for p in params]) * (out > 0)
+    biased = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias.items()]
+    if biased:
+        row, token, bias = zip(*biased)
+        logits = logits.index_put((torch.tensor(row, device=dev), torch.tensor(token, device=dev)),
+                                  torch.tensor(bias, dtype=logits.dtype, device=dev), accumulate=True)
+    return logits
 
 
 def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -128,6 +128,8 @@ class Server:
         (so that ``n`` seeded choices differ from one another and each repeats)."""
         if len(ids) >= self.max_model_len:
             self.refuse_length(len(ids), param)
+        if any(t >= self.vocab for t in body.bias()):
+            raise APIError(400, f"logit_bias: a token id outside the vocabulary (0..{self.vocab - 1})", "logit_bias")
         room = self.max_model_len - len(ids)
         max_tokens = room if max_tokens is None else max_tokens
         if max_tokens > room:
@@ -139,6 +141,7 @@ class Server:
                                   top_p=body.top_p, seed=seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
                                   ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
                                   frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+                                  logit_bias=body.bias(),
                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except InputError as error:  # what the engine refuses that the schema let through
             raise APIError(400, str(error)) from None

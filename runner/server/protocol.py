@@ -58,6 +58,17 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0)  # vLLM's extension
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024)  # token id (as JSON keys are strings) to bias
+
+    @model_validator(mode="after")
+    def _bias(self):
+        for token, bias in (self.logit_bias or {}).items():
+            if not token.isdigit() or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias: {token!r}: {bias}: token ids to biases in [-100, 100]")
+        return self
+
+    def bias(self) -> dict[int, float]:
+        return {int(t): b for t, b in (self.logit_bias or {}).items()}
 
     @model_validator(mode="after")
     def _stops(self):
