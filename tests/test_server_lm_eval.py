@@ -15,7 +15,8 @@ NAME = "tiny"
 def test_lm_eval_scores_a_served_model_as_it_scores_the_model_in_process(tmp_path):
     """lm-eval's own client for OpenAI-style servers (``local-completions``), tokenizing through
     the server's /tokenize, against the same tasks run in-process through our bridge: the same
-    log-likelihoods (prompts batched 4 a request, each scored by echo) and the same answers."""
+    log-likelihoods (prompts batched 4 a request, each scored by echo), the same greedy
+    generations, and the same answers."""
     from lm_eval.api.instance import Instance
     from lm_eval.models.openai_completions import LocalCompletionsAPI
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -38,6 +39,10 @@ def test_lm_eval_scores_a_served_model_as_it_scores_the_model_in_process(tmp_pat
         instances = [Instance("loglikelihood", {}, pair, i, ("t", i, 1)) for i, pair in enumerate(pairs)]
         for (lp, greedy), (our_lp, our_greedy) in zip(served.loglikelihood(instances), ours.loglikelihood(instances)):
             assert lp == pytest.approx(our_lp, abs=1e-3) and greedy == our_greedy
+        asks = [(text, {"until": ["."], "max_gen_toks": 12}) for text in ("Anne walked", "It was a truth", "Captain Wentworth")]
+        generations = [Instance("generate_until", {}, ask, i, ("g", i, 1)) for i, ask in enumerate(asks)]
+        texts = served.generate_until(generations)
+        assert texts == ours.generate_until(generations) and all(texts)
         remote = run_lm_eval(served, ["qb_order", "qb_cloze"], manager, limit=24, num_fewshot=0)
         local = run_lm_eval(ours, ["qb_order", "qb_cloze"], manager, limit=24, num_fewshot=0)
         for task in ("qb_order", "qb_cloze"):
