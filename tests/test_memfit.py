@@ -201,7 +201,8 @@ def test_quantizing_memory_of_gptq_counts_one_layer_and_the_codes(monkeypatch, c
     (["llama-3.1-8", "--json"], "did you mean llama-3.1-8b"),
     (["llama-3.1-8b", "--context", "-5"], "--context -5: must be between 1"),
     (["llama-3.1-8b", "--users", "0"], "--users 0: must be between 1"),
-    (["llama-3.1-8b", "--gpu", "h100"], "unknown GPU"),
+    (["llama-3.1-8b", "--gpu", "h100"], "--gpu h100: 2 GPUs of the catalog: h100-80gb, h100-pcie-80gb; name one"),
+    (["llama-3.1-8b", "--gpu", "h1000"], "unknown GPU"),
     (["llama-3.1-8b", "--gpu", "custom:80"], "custom:MEM_GIB,BANDWIDTH_GBS"),
     (["llama-3.1-8b", "--weights", "q4"], "--weights q4: unknown format"),
     (["llama-3.1-8b", "--kv-cache", "fp4"], "--kv-cache fp4: unknown"),
@@ -230,3 +231,8 @@ def test_smallest_gpu_is_one_the_engine_runs_on():
     vllm = resolve_gpu(fit(shape, query("vllm")).smallest_gpu)
     assert vllm.vendor != "apple" and vllm.memory_bytes >= 192 * GIB  # vLLM has no Metal backend: MI300X, not an M2 Ultra
     assert fit(shape, query("llamacpp")).smallest_gpu == "h200-141gb"  # llama.cpp takes all of the memory
+
+
+def test_a_gpu_is_found_by_any_case_and_a_prefix_only_it_has():
+    assert resolve_gpu("H200").name == "h200-141gb" and resolve_gpu("RTX 4090").name == "rtx-4090"
+    assert resolve_gpu("MI300X").name == "mi300x" and resolve_gpu("a10").name == "a10"  # a10 names itself, not a100-*

@@ -68,7 +68,11 @@ def resolve_gpu(name: str) -> GPU:
         return GPU(name, int(memory * GIB), bandwidth * 1e9, tflops * 1e12 if tflops else None)
     if name.startswith("custom:"):
         raise InputError(f"--gpu {name}: expected custom:MEM_GIB,BANDWIDTH_GBS[,TFLOPS], e.g. custom:48,960")
-    gpu = catalog().get(name.lower())
-    if gpu is None:
-        raise InputError(f"--gpu {name}: unknown GPU{suggest_names(name, sorted(catalog()))}")
-    return gpu
+    known = catalog()
+    key = name.lower().replace(" ", "-")
+    starting = sorted(k for k in known if k.startswith(key))
+    if key in known or len(starting) == 1:  # H200 is h200-141gb, the one catalog GPU it can mean
+        return known[key if key in known else starting[0]]
+    if starting:
+        raise InputError(f"--gpu {name}: {len(starting)} GPUs of the catalog: {', '.join(starting)}; name one")
+    raise InputError(f"--gpu {name}: unknown GPU{suggest_names(key, sorted(known))}")
