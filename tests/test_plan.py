@@ -298,3 +298,27 @@ def test_a_custom_device_keeps_its_commas_in_a_list_of_gpus(monkeypatch, capsys)
 ])
 def test_refusals_are_one_line_naming_what_to_relax(monkeypatch, capsys, args, fragments):
     assert_user_error(quantize(monkeypatch, capsys, "plan", "qwen2.5-0.5b", "--users", "8", *args), *fragments)
+
+
+def test_a_gguf_file_given_as_the_model_is_the_file_its_engine_serves(monkeypatch, capsys, tmp_path):
+    """Planning a GGUF file itself (no recipe run): it is the variant, and the commands load it."""
+    from conftest import TINY
+    from formats.hf import HFCheckpoint
+    from recipes.variants import build_variant, gguf_variant
+
+    path = tmp_path / "tiny-Q4_K_M.gguf"
+    build_variant(HFCheckpoint.open(TINY), gguf_variant("Q4_K_M"), tmp_path, gguf_path=path)
+    for gpu, users, engine in (("apple-m4-pro-64gb", 1, "ollama"), ("apple-m4-pro-64gb", 4, "llama.cpp"), ("l4", 4, "llama.cpp")):
+        code, out, err = quantize(monkeypatch, capsys, "plan", str(path), "--users", str(users), "--prompt-tokens", "200",
+                                  "--output-tokens", "50", "--tpot", "1s", "--gpu", gpu, "--json")
+        assert code == 0, err
+        chosen = json.loads(out)["engine"]
+        assert chosen["engine"] == engine and chosen["weights"] == str(path), chosen
+        assert str(path.with_suffix(".Modelfile" if engine == "ollama" else ".gguf")) in " ".join(chosen["commands"])
+    bare = tmp_path / "bare" / "model.gguf"  # a GGUF file from elsewhere, no Modelfile beside it
+    bare.parent.mkdir()
+    bare.write_bytes(path.read_bytes())
+    code, out, err = quantize(monkeypatch, capsys, "plan", str(bare), "--users", "1", "--prompt-tokens", "200",
+                              "--output-tokens", "50", "--tpot", "1s", "--gpu", "apple-m4-pro-64gb", "--json")
+    commands = json.loads(out)["engine"]["commands"]
+    assert commands[0] == f"printf 'FROM %s\\n' {bare} > {bare.with_suffix('.Modelfile')}" and commands[1].startswith("ollama create")

@@ -127,7 +127,8 @@ def plan_command(req: PlanRequest) -> PlanOutput:
     if req.variants is not None:
         variants, budget = read_variants(req.variants, shape)
     else:
-        variants, budget = [model_variant(shape, kv_cache=kv) for kv in req.kv_cache], None
+        where = Path(req.model) if Path(req.model).exists() else None
+        variants, budget = [model_variant(shape, kv_cache=kv, where=where) for kv in req.kv_cache], None
     return plan_variants(req, shape, variants, budget, gpus)
 
 

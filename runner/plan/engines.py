@@ -101,6 +101,8 @@ def _local(model: str, variant: PlanVariant, users: int, context: int) -> Engine
     if users == 1:
         modelfile = str(Path(path).with_suffix(".Modelfile"))
         name = Path(path).stem.lower()
+        if gguf is not None and Path(path).is_file() and not Path(modelfile).is_file():  # a GGUF file we did not write
+            first = first + [f"printf 'FROM %s\\n' {shlex.quote(path)} > {shlex.quote(modelfile)}"]
         return EngineChoice("ollama", path, "one user on a laptop or CPU: llama.cpp through Ollama, with the GGUF file",
                             first + [_join(["ollama", "create", name, "-f", modelfile]), _join(["ollama", "run", name])],
                             [_llama_server(path, variant.kv_cache, users, context, gpu=False)])

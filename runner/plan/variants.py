@@ -44,11 +44,17 @@ class PlanVariant:
         return not self.misses
 
 
-def model_variant(shape: ModelShape, weights: str = "bf16", kv_cache: str = "fp16") -> PlanVariant:
+def model_variant(shape: ModelShape, weights: str = "bf16", kv_cache: str = "fp16", where: Path | None = None) -> PlanVariant:
     """The model as given, when there is no recipe run: its stored bytes (a GGUF file, a quantized
-    folder) or its 16-bit weights."""
+    folder) or its 16-bit weights. A GGUF file or a folder in a format an engine loads (``where``)
+    is the file the engine is given."""
+    exports = {}
+    if where is not None and shape.stored_as is not None:
+        kind = "gguf" if shape.stored_as == "gguf file" else shape.stored_as.removesuffix(" checkpoint")
+        if kind in SERVABLE:
+            exports[kind] = where.parent if where.name == "config.json" else where
     return PlanVariant(shape.stored_as or weights, shape.stored_as or weights, weights_bytes(shape, weights), kv_cache,
-                       original=shape.stored_bytes is None)
+                       exports, original=shape.stored_bytes is None)
 
 
 def read_variants(run: Path, shape: ModelShape) -> tuple[list[PlanVariant], str | None]:
