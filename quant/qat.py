@@ -22,6 +22,8 @@ with AVX512-BF16 or AMX), with float32 master weights; elsewhere in float32, whi
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +42,7 @@ from formats.hf import HFCheckpoint
 from quant.error import relative_error
 from quant.ggml import encode
 from quant.gptq import GPTQResult, GPTQSettings, gptq_quantize
+from quant.gptq_model import gptq_layer
 from quant.qat_checkpoint import QATCheckpoint
 from quant.qat_e2e import train_end_to_end
 from quant.qat_grids import trainable_grid
@@ -140,10 +143,10 @@ def qat_layer(step: LayerStep, spec: Grid, settings: QATSettings, modules: Colle
     hessians = {n: s.hessian for n, s in input_statistics(layer, inputs, list(linears)).items()}
     targets = run_layer(layer, inputs).clone()  # what the float layer computes on these inputs
     grids, weights = _initial_grids(step, linears, hessians, spec, settings)
-    rival = ({n: r.tensor for n, r in _gptq(step, linears, hessians, spec, settings).items()}
-             if settings.keep_gptq and settings.init == "rtn" and spec != Q4_K and settings.holdout > 0 else None)
+    rivals = (_rivals(step, linears, hessians, spec, settings)
+              if settings.keep_gptq and settings.init == "rtn" and spec != Q4_K and settings.holdout > 0 else {})
     trained = _train(layer, inputs, targets, weights, grids, settings, on_step or (lambda i, loss: None),
-                     on_held or (lambda grid, done, loss: None), rival)
+                     on_held or (lambda grid, done, loss: None), rivals)
     results, errors = {}, {}
     for n, tensor in trained.items():
         _assign(linears[n], tensor)
@@ -190,17 +193,35 @@ def _initial_grids(step: LayerStep, linears: dict, hessians: dict, spec: Grid, s
 def _gptq(step: LayerStep, linears: dict, hessians: dict, spec: QuantSpec, settings: QATSettings,
           unrounded: bool = False) -> dict[str, GPTQResult]:
     """GPTQ's solution for each Linear on the inputs the walk gives the layer, every Linear's
-    Hessian taken from the float layer at once. A GPTQ variant (``gptq_layer``) quantizes group by
-    group, each group's Hessians after the groups before it: as QAT's rival that matched the GPTQ
-    row on ref at W4 but raised Gemma-3-270M's KLD across domains from 0.2919 to 0.3161
-    (docs/qat.md), so it is not the one used."""
+    Hessian taken from the float layer at once."""
     gptq = GPTQSettings(damp=settings.damp, keep_unrounded=unrounded)
     return {n: gptq_quantize(m.weight.data, hessians[n], spec, gptq, step.prefix + n) for n, m in linears.items()}
 
 
+def _rivals(step: LayerStep, linears: dict, hessians: dict, spec: QuantSpec,
+            settings: QATSettings) -> dict[str, dict[str, QuantizedTensor]]:
+    """The two GPTQ solutions a trained layer is judged against: every Hessian from the float layer
+    at once ("gptq"), and a GPTQ variant's (``gptq_layer``: group by group, each group's Hessians
+    after the groups before it were quantized, "gptq groups"), on a copy of the layer. Each was
+    the better one on one model: the second matched the GPTQ row on ref at W4, and on
+    Gemma-3-270M at W4 it was worse in 4 of the 8 layers where it was kept (docs/qat.md)."""
+    chosen = {step.prefix + n for n in linears}
+    groups = gptq_layer(_copy(step), spec, GPTQSettings(damp=settings.damp), chosen)
+    return {"gptq": {n: r.tensor for n, r in _gptq(step, linears, hessians, spec, settings).items()},
+            "gptq groups": {n: groups[f"{step.prefix}{n}.weight"].tensor for n in linears}}
+
+
+def _copy(step: LayerStep) -> LayerStep:
+    """The walk's step with a copy of its layer, called with the layer's own keyword arguments, for
+    a method that changes the weights it quantizes."""
+    clone = copy.deepcopy(step.layer)
+    inputs = dataclasses.replace(step.inputs, layer_kwargs={**step.inputs.layer_kwargs, clone: step.inputs.kwargs(step.layer)})
+    return LayerStep(step.prefix, clone, inputs)
+
+
 def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict, grids: dict,
            settings: QATSettings, on_step, on_held: HeldReport,
-           rival: dict[str, QuantizedTensor] | None = None) -> dict[str, QuantizedTensor | GGMLTensor]:
+           rivals: dict[str, dict[str, QuantizedTensor]] | None = None) -> dict[str, QuantizedTensor | GGMLTensor]:
     """AdamW on the mean squared error of the layer's outputs, ``accumulate`` batches of windows
     per step, over the named Linears' ``weights`` on their starting ``grids``.
 
@@ -215,9 +236,8 @@ def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict,
     scores the parameters' moving average (decay ``average``, over about 20 steps at 0.95), which
     is kept where it is the best grid so far: an average of nearby solutions fits the trained
     windows less closely than its members, and it rescues a rate too large to improve on the
-    start. A ``rival``
-    solution (GPTQ's grids) is returned instead of the trained grids where its held-out loss is
-    lower."""
+    start. Of the ``rivals`` (GPTQ's solutions, by name), the one with the lowest held-out loss
+    is returned instead of the trained grids where that loss is lower than theirs."""
     trainable = {n: trainable_grid(weights[n], grids[n], settings.learn_scales) for n in grids}
     params = [p for g in trainable.values() for p in g.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
@@ -283,13 +303,14 @@ def _train(layer: torch.nn.Module, inputs, targets: torch.Tensor, weights: dict,
     if not guarded:
         return {n: g.quantized() for n, g in trainable.items()}
     _restore(params, kept)
-    if rival is not None:
-        device = next(iter(frozen.values())).device
+    device = next(iter(frozen.values())).device
+    winner = None
+    for name, rival in (rivals or {}).items():
         theirs = held_loss({f"{n}.weight": t.dequantize().to(device, frozen[f"{n}.weight"].dtype) for n, t in rival.items()})
-        on_held("gptq", 0, theirs)
+        on_held(name, 0, theirs)
         if theirs < best:
-            return rival
-    return {n: g.quantized() for n, g in trainable.items()}
+            best, winner = theirs, rival
+    return winner if winner is not None else {n: g.quantized() for n, g in trainable.items()}
 
 
 def _split(count: int, share: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
