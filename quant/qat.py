@@ -66,7 +66,7 @@ class QATSettings:
     accumulate: int = 1  # micro-batches whose gradients make one step
     learn_scales: bool = True
     init: Literal["rtn", "gptq"] = "rtn"
-    keep_gptq: bool = True  # from RTN's grid: a layer keeps GPTQ's solution where it is better on the held-out windows
+    keep_gptq: bool = True  # from RTN's grid: a layer keeps the better of GPTQ's two solutions where it beats training on the held-out windows
     damp: float = 0.01  # GPTQ's damping, with init "gptq" or keep_gptq
     seed: int = 0  # the order windows are drawn in
     e2e_steps: int = 0  # steps of the end-to-end phase (0: none)
@@ -128,8 +128,8 @@ def qat_layer(step: LayerStep, spec: Grid, settings: QATSettings, modules: Colle
               on_step: Callable[[int, float], None] | None = None, on_held: HeldReport | None = None) -> LayerResult:
     """Block-AP on one decoder layer of a walk; the layer keeps the trained quantized weights, so
     the layers after it are trained on what the quantized model computes. Trained from RTN's grid
-    with ``keep_gptq``, it keeps GPTQ's solution instead where that is better on the held-out
-    windows: where the weights already lie on a grid near the one trained (Gemma-3-270M's, read
+    with ``keep_gptq``, it keeps the better of GPTQ's two solutions (``_rivals``) where that beats
+    it on the held-out windows: where the weights already lie on a grid near the one trained (Gemma-3-270M's, read
     from a Q4_K_M file, at W4), GPTQ lands close to it and training from RTN does not find it
     (docs/qat.md). Training again from GPTQ's grid was tried where it won: on Gemma's 7 such
     layers the held-out loss rose from the first look and the guard kept GPTQ's grid each time,

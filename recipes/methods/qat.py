@@ -32,7 +32,7 @@ class QATWeights(Targeted):
     each layer trained to reproduce the float layer's outputs through the grid its exports store,
     starting from round-to-nearest's or GPTQ's grid and guided by a ``holdout`` share of the windows
     it does not train on (the grid best there is kept, and a layer stops once it stops improving;
-    with ``keep_gptq``, GPTQ's solution where it is better there than the grid trained from RTN),
+    with ``keep_gptq``, the better of GPTQ's two solutions where it is better there than the grid trained from RTN),
     then (``e2e_steps``) the scales and norms of the whole model against the original's next-token distribution (quant/qat.py). The grid is
     integer (``bits``, ``symmetric``, ``group_size``), or a GGUF file type's (``gguf``): Q4_0
     (blocks of 32, symmetric 4-bit) or the Q4_K tensors of Q4_K_S and Q4_K_M (super-blocks of
@@ -45,7 +45,7 @@ class QATWeights(Targeted):
     group_size: int | None = Field(default=128, ge=1)  # null: one scale per output channel
     gguf: Literal[tuple(QAT_FILE_TYPES)] | None = None  # type: ignore[valid-type]
     init: Literal["rtn", "gptq"] = "rtn"
-    keep_gptq: bool = True  # from RTN: a layer keeps GPTQ's solution where it is better on the held-out windows
+    keep_gptq: bool = True  # from RTN: a layer keeps the better of GPTQ's two solutions where it beats training on the held-out windows
     steps: int = Field(default=200, ge=1, le=1_000_000)  # per decoder layer
     lr: float = Field(default=0.01, gt=0, le=1)  # in steps of the grid per optimizer step
     batch: int = Field(default=2, ge=1)  # calibration windows per micro-batch
