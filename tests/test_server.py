@@ -343,12 +343,21 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks_at_once(server):
     assert server.idle(5)
 
 
-def test_a_client_that_leaves_before_a_whole_reply_frees_its_blocks(server):
-    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+def aborted(server) -> int:
+    """Requests the server has ended because their client left."""
+    text = httpx.get(f"{server.url}/metrics").text
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+               if line.startswith("quantbench_requests_finished_total") and 'finish_reason="abort"' in line)
+
+
+@pytest.mark.parametrize("prompt, n", [(PROMPT, 1), ([PROMPT, "The sea"], 2)])
+def test_a_client_that_leaves_before_a_whole_reply_frees_its_blocks(server, prompt, n):
+    before = aborted(server)
+    body = {"model": NAME, "prompt": prompt, "n": n, "max_tokens": 230, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         post(server, "/v1/completions", body, timeout=0.3)
     assert server.idle(5)
-    assert 'finish_reason="abort"' in httpx.get(f"{server.url}/metrics").text
+    assert aborted(server) - before == (1 if isinstance(prompt, str) else len(prompt)) * n  # ended, not run to the end
 
 
 def test_metrics_count_what_was_served(server):

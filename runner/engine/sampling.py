@@ -95,10 +95,11 @@ def penalize(logits: torch.Tensor, params: list[SamplingParams], prompts: list[l
 
     out = counts(outputs)
     column = lambda values: torch.tensor(values, dtype=torch.float32, device=dev)[:, None]  # noqa: E731
-    repetition = column([p.repetition_penalty for p in params])
-    seen = (out > 0) | (counts(prompts) > 0)
-    scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(seen & (repetition != 1), scaled, logits)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        repetition = column([p.repetition_penalty for p in params])
+        seen = (out > 0) | (counts(prompts) > 0)
+        scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(seen & (repetition != 1), scaled, logits)
     logits = logits - column([p.frequency_penalty for p in params]) * out - column([p.presence_penalty for p in params]) * (out > 0)
     biased = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias.items()]
     if biased:

@@ -329,8 +329,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         if body.messages is not None:
             ids = await server.chat_ids(body, body.add_generation_prompt, fits=False)
         else:
-            special = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = await off_loop(len(body.prompt), server.tokenize, body.prompt, special, "prompt")
+            ids = await off_loop(len(body.prompt), server.tokenize, body.prompt, body.add_special_tokens, "prompt")
         return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids, "token_strs": None}
 
     @app.post("/detokenize", dependencies=[Depends(authorize)])
@@ -393,9 +392,9 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not work.done():  # the client left (or the server is stopping): end its requests now
+            # the client left (or the server is stopping), or one sequence failed: end them all now
+            if not work.done() or work.exception() is not None:
                 work.cancel()
-            if work.cancelled() or work.exception() is not None:  # and where one failed, the others
                 for request in requests:
                     engine.abort(request)
         if gone.done() and not work.done():

@@ -134,7 +134,7 @@ class TokenizeRequest(BaseModel):
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[Message] | None = None
-    add_special_tokens: bool | None = None
+    add_special_tokens: bool = True  # for a prompt; a conversation's template writes its own
     add_generation_prompt: bool = True
 
     @model_validator(mode="after")
