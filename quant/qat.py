@@ -23,9 +23,8 @@ with AVX512-BF16 or AMX), with float32 master weights; elsewhere in float32, whi
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Collection, Iterator, Literal
 
@@ -129,11 +128,11 @@ def qat_layer(step: LayerStep, spec: Grid, settings: QATSettings, modules: Colle
     """Block-AP on one decoder layer of a walk; the layer keeps the trained quantized weights, so
     the layers after it are trained on what the quantized model computes. Trained from RTN's grid
     with ``keep_gptq``, it keeps the better of GPTQ's two solutions (``_rivals``) where that beats
-    it on the held-out windows: where the weights already lie on a grid near the one trained (Gemma-3-270M's, read
-    from a Q4_K_M file, at W4), GPTQ lands close to it and training from RTN does not find it
-    (docs/qat.md). Training again from GPTQ's grid was tried where it won: on Gemma's 7 such
-    layers the held-out loss rose from the first look and the guard kept GPTQ's grid each time,
-    so it is not done."""
+    it on the held-out windows: where the weights already lie on a grid near the one trained
+    (Gemma-3-270M's, read from a Q4_K_M file, at W4), GPTQ lands close to it and training from RTN
+    does not find it (docs/qat.md). Training again from GPTQ's grid was tried where it won: on
+    Gemma's 7 such layers the held-out loss rose from the first look and the guard kept GPTQ's
+    grid each time, so it is not done."""
     base, layer, inputs = step
     linears = {n: m for n, m in layer.named_modules()
                if isinstance(m, torch.nn.Linear) and (modules is None or base + n in modules)}
@@ -215,7 +214,7 @@ def _copy(step: LayerStep) -> LayerStep:
     """The walk's step with a copy of its layer, called with the layer's own keyword arguments, for
     a method that changes the weights it quantizes."""
     clone = copy.deepcopy(step.layer)
-    inputs = dataclasses.replace(step.inputs, layer_kwargs={**step.inputs.layer_kwargs, clone: step.inputs.kwargs(step.layer)})
+    inputs = replace(step.inputs, layer_kwargs={**step.inputs.layer_kwargs, clone: step.inputs.kwargs(step.layer)})
     return LayerStep(step.prefix, clone, inputs)
 
 
